@@ -1,0 +1,600 @@
+"""``TokenMeanDDPStrategy``: DDP whose optimizer step follows the mean loss over all valid items of the step."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from token_mean._comm_hook import scaled_allreduce_hook
+from token_mean._counting import count_valid_labels
+from token_mean._errors import DenominatorError
+from token_mean._lookahead import LookaheadIterator, wrap_loader
+from token_mean._window import WindowStats
+
+Mode = Literal["lookahead", "deferred"]
+LossReduction = Literal["mean", "sum"]
+_MODES = ("lookahead", "deferred")
+_LOSS_REDUCTIONS = ("mean", "sum")
+
+# Problems travel as 0/1 flags in the same collective as the counts, so every rank learns of them at once and raises
+# the same error instead of leaving the others blocked in the next collective.
+_PROBLEMS: tuple[tuple[str, str], ...] = (
+    (
+        "`count_fn` failed or returned something that is not a number",
+        "make `count_fn(batch)` return an int, a float or a one-element tensor for every batch.",
+    ),
+    ("`count_fn` returned a negative count", "counts are numbers of valid items or sums of non-negative weights."),
+    ("`count_fn` returned a NaN or infinite count", "check the weights or mask that `count_fn` sums."),
+    (
+        "`training_step` returned no loss (None, or a dict without 'loss')",
+        "return the micro-batch's loss (a tensor, or a dict with a 'loss' key) from every `training_step`.",
+    ),
+    (
+        "the loss of a micro-batch with valid items is NaN or infinite",
+        "the data or the model diverged; lower the learning rate, enable gradient clipping or check the inputs.",
+    ),
+    (
+        "`count_fn(batch)` and the 'num_items' returned by `training_step` disagree: two definitions of the"
+        " denominator",
+        "keep one of them: drop `count_fn` or stop returning 'num_items'.",
+    ),
+    (
+        "the ranks' loaders ended at different batches, so the ranks' accumulation windows differ",
+        "give every rank the same number of batches (Lightning's DistributedSampler does, with drop_last or padding).",
+    ),
+)
+_COUNT_FAILED, _COUNT_NEGATIVE, _COUNT_NONFINITE, _NO_LOSS, _BAD_LOSS, _COUNT_MISMATCH, _UNEVEN = range(len(_PROBLEMS))
+# record layout exchanged once per window (float64: counts are exact up to 2**53, float32 stops at 2**24)
+_COUNT, _LOSS_SUM, _LENGTH, _FLAGS = 0, 1, 2, 3
+_RECORD_SIZE = _FLAGS + len(_PROBLEMS)
+
+
+@dataclass
+class _Window:
+    """Book-keeping for the accumulation window being trained on (this rank only)."""
+
+    start: int  # batch position in the epoch of the first micro-batch
+    length: int  # micro-batches
+    trained: int = 0
+    local_counts: list[float] = field(default_factory=list)  # lookahead: known before the first backward
+    global_count: float = 0.0
+    rank_counts: tuple[float, ...] = ()
+    grad_factor: float = 0.0  # lookahead: K·P/N for the loss; deferred: D/N for the gradient buckets
+    provisional: float = 1.0  # deferred: D, the per-rank denominator the backward passes use until N is known
+    count: Tensor | None = None  # deferred: running local count, on the device
+    loss_sum: Tensor | None = None  # running local loss sum, on the device
+    flags: Tensor | None = None  # running problem flags, on the device
+    problem_detail: str = ""
+
+
+class TokenMeanDDPStrategy(DDPStrategy):
+    r"""DDP with gradient accumulation that optimizes the mean loss over all valid items of each optimizer step.
+
+    Plain DDP with ``accumulate_grad_batches=K`` optimizes a mean of means: every micro-batch's mean loss is divided
+    by K and DDP averages the P ranks, so an item in a small micro-batch weighs more than an item in a large one.
+    This strategy rescales each micro-batch so that the optimizer sees exactly
+
+    .. math:: g = \frac{1}{N} \sum_{r, j} \sum_{i \in \text{valid}(r, j)} \nabla \ell_i, \qquad N = \sum_{r, j} n_{r, j}
+
+    over all ranks r and micro-batches j of the window, the gradient of the unpartitioned run. Empty micro-batches
+    and empty ranks contribute zero (never 0/0) and still take part in every collective; a window with N = 0 on all
+    ranks changes neither the parameters nor the optimizer state.
+
+    The count is whatever the objective averages over: valid target tokens (the default, ``labels != -100``),
+    examples (``count_fn=lambda b: len(b["labels"])``) or a sum of sample weights (a float). Choosing it is choosing
+    the objective.
+
+    Modes:
+        ``"lookahead"`` (default) reads each window's batches ahead (at most K − 1 held), counts them with
+        ``count_fn`` and all-gathers the counts once before the window's first backward; each micro-batch's loss is
+        then scaled by K·P·n/N, so every hook, clipping and ``on_after_backward`` sees the final gradient scale.
+        ``"deferred"`` reads nothing ahead: it counts each micro-batch after its forward (``count_fn`` or the
+        ``"num_items"`` the ``training_step`` returns), back-propagates local loss sums and corrects the scale in
+        DDP's gradient all-reduce of the window's last backward. Use it when the count is decided inside the model,
+        when the loader must not be read ahead, or when K batches do not fit in host memory.
+
+    Args:
+        count_fn: ``count_fn(batch)`` gives the number of valid items of one micro-batch (an int, a float or a
+            one-element tensor). In lookahead mode it sees the batch as the loader yields it, before it is moved to
+            the device. Defaults to counting ``batch["labels"] != -100``.
+        loss_reduction: what ``training_step`` returns: ``"mean"`` over the micro-batch's valid items (what
+            ``F.cross_entropy(..., ignore_index=-100)`` gives) or their ``"sum"``.
+        mode: ``"lookahead"`` or ``"deferred"``.
+        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
+            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
+
+    Raises:
+        ValueError: for an unknown ``mode`` or ``loss_reduction``, a ``count_fn`` that is not callable, or a
+            ``ddp_comm_hook`` in deferred mode.
+
+    After each window, :attr:`last_window` holds a :class:`~token_mean.WindowStats` (N, this rank's n, the per-rank
+    counts, the window length and the exact global mean loss), identical on every rank.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> strategy = TokenMeanDDPStrategy(start_method="fork", process_group_backend="gloo")
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, accumulate_grad_batches=4,
+        ...                      logger=False, enable_checkpointing=False)
+        >>> trainer = pl.Trainer(strategy="ddp_token_mean_fork", accelerator="cpu", devices=2, logger=False,
+        ...                      enable_checkpointing=False)
+    """
+
+    strategy_name = "ddp_token_mean"
+
+    def __init__(
+        self,
+        count_fn: Callable[[Any], int | float | Tensor] | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        **kwargs: Any,
+    ) -> None:
+        if mode not in _MODES:
+            raise ValueError(f"`mode` must be one of {_MODES}, got {mode!r}.")
+        if loss_reduction not in _LOSS_REDUCTIONS:
+            raise ValueError(
+                f"`loss_reduction` must be one of {_LOSS_REDUCTIONS}, got {loss_reduction!r}: 'mean' if `training_step`"
+                " returns the mean over the micro-batch's valid items, 'sum' if it returns their sum."
+            )
+        if count_fn is not None and not callable(count_fn):
+            raise ValueError(
+                f"`count_fn` must be a callable `count_fn(batch) -> int | float | Tensor`, got {count_fn!r}."
+            )
+        if mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
+            raise ValueError(
+                "`ddp_comm_hook` cannot be combined with `mode='deferred'`, which installs its own gradient"
+                " all-reduce hook to apply the global denominator. Use `mode='lookahead'` or remove `ddp_comm_hook`."
+            )
+        super().__init__(**kwargs)
+        self._count_fn = count_fn
+        self._loss_reduction: LossReduction = loss_reduction
+        self._mode: Mode = mode
+        self._iterator: LookaheadIterator | None = None
+        self._window: _Window | None = None
+        self._micro_batch_scale: tuple[float | Tensor, bool | Tensor] = (1.0, True)
+        self._last_provisional: float | None = None
+        self.last_window: WindowStats | None = None
+        self.skipped_steps = 0
+
+    @property
+    def count_fn(self) -> Callable[[Any], int | float | Tensor]:
+        """The count of valid items of one micro-batch: the user's ``count_fn`` or the ``labels != -100`` default."""
+        return self._count_fn or count_valid_labels
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self._loss_reduction
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        # Without this override the subclass would re-register DDP's own twelve names.
+        for name, start_method in (
+            ("ddp_token_mean", "popen"),
+            ("ddp_token_mean_spawn", "spawn"),
+            ("ddp_token_mean_fork", "fork"),
+        ):
+            if name not in strategy_registry:
+                strategy_registry.register(
+                    name,
+                    cls,
+                    description=f"Token-mean DDP strategy with `start_method` '{start_method}'",
+                    start_method=start_method,
+                )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # set-up
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        module = self.lightning_module
+        assert module is not None
+        if not module.automatic_optimization:
+            raise ValueError(
+                "`TokenMeanDDPStrategy` needs automatic optimization: with `automatic_optimization = False` the"
+                " LightningModule calls backward itself and the strategy cannot normalize it. Divide the summed loss"
+                " by the all-reduced count yourself, or set `self.automatic_optimization = True`."
+            )
+        if self.handles_gradient_accumulation:
+            raise ValueError(
+                f"`{type(self).__name__}` cannot normalize windows when `handles_gradient_accumulation` is True:"
+                " the strategy would no longer see the accumulation windows."
+            )
+        for optimizer in self.optimizers:
+            if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
+                raise ValueError(
+                    "`TokenMeanDDPStrategy` does not support `torch.optim.LBFGS`: it re-evaluates the closure"
+                    " within one step, which would count the window's items again. Use a first-order optimizer."
+                )
+
+    @override
+    def _register_ddp_hooks(self) -> None:
+        super()._register_ddp_hooks()
+        if self._mode == "deferred":
+            assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+            # Folding D/N into the bucket all-reduce of the window's last backward costs no extra pass over the
+            # gradients. Registered on every device type: Lightning only registers `ddp_comm_hook` on CUDA.
+            self.model.register_comm_hook(self, scaled_allreduce_hook)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        module = self.lightning_module
+        if self._mode != "lookahead" or module is None or module._trainer is None:
+            return dataloader
+        trainer = module.trainer
+        if trainer.state.fn != TrainerFn.FITTING:
+            return dataloader
+        # Validation loaders also pass through here while fitting; `_on_iter` tells them apart when iterated.
+        return wrap_loader(dataloader, self._read_count, self._on_iter)
+
+    def _on_iter(self, loader: object, iterator: LookaheadIterator) -> None:
+        module = self.lightning_module
+        trainer = module.trainer if module is not None and module._trainer is not None else None
+        if trainer is None or trainer.train_dataloader is not loader:
+            iterator.passthrough()  # a validation loader: nothing to count
+            return
+        # a new epoch (or a resumed one): windows restart with the loader
+        self._iterator = iterator
+        self._window = None
+
+    def _read_count(self, batch: Any) -> tuple[float, int | None, str]:
+        """Count one batch as the loader yields it: (count, problem, detail). Never raises, see `_PROBLEMS`."""
+        try:
+            value = self.count_fn(batch)
+        except Exception as error:  # every rank must reach the collective to learn of it
+            return 0.0, _COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}"
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_complex():
+                return 0.0, _COUNT_FAILED, f"`count_fn` returned a tensor of shape {tuple(value.shape)}"
+            # a host-side batch makes this free; a device-side one costs a sync per batch
+            count = float(value.item())
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            count = float(value)
+        else:
+            return 0.0, _COUNT_FAILED, f"`count_fn` returned {type(value).__name__} {value!r}"
+        if not math.isfinite(count):
+            return 0.0, _COUNT_NONFINITE, f"`count_fn` returned {count}"
+        if count < 0:
+            return 0.0, _COUNT_NEGATIVE, f"`count_fn` returned {count}"
+        return count, None, ""
+
+    # ------------------------------------------------------------------------------------------------------------
+    # one micro-batch
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        trainer = self._trainer()
+        epoch_loop = trainer.fit_loop.epoch_loop
+        position = epoch_loop.batch_progress.current.ready - 1
+        # Lightning's own stepping rule: K reached, or the last batch of the epoch
+        steps_now = not epoch_loop._should_accumulate()
+        if self._mode == "lookahead":
+            count = self._lookahead_count(trainer, position, steps_now)
+        output = super().training_step(*args, **kwargs)
+        window = self._window
+        assert window is not None or self._mode == "deferred"
+        loss, output = self._loss_of(output)
+        if self._mode == "deferred":
+            window = self._deferred_begin(position)
+            count = self._deferred_count(args[0] if args else kwargs.get("batch"), output)
+        assert window is not None
+        self._add_loss(window, loss, count)
+        window.trained += 1
+        if steps_now:
+            self._finish_window(trainer, window)
+        elif self._mode == "lookahead" and window.trained == window.length:
+            raise RuntimeError(
+                f"token_mean: internal error: the lookahead window starting at batch {window.start} ended after"
+                f" {window.length} micro-batches, but Lightning did not step. Please report this with your Trainer"
+                " settings."
+            )
+        return output
+
+    def _trainer(self) -> pl.Trainer:
+        module = self.lightning_module
+        assert module is not None
+        return module.trainer
+
+    def _loss_of(self, output: STEP_OUTPUT) -> tuple[Tensor | None, STEP_OUTPUT]:
+        if isinstance(output, Tensor):
+            return output, output
+        if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+            return output["loss"], output
+        # A stand-in loss keeps this rank in step until the window's collective, where every rank raises.
+        stand_in = torch.zeros((), device=self.root_device, requires_grad=True)
+        return None, ({**output, "loss": stand_in} if isinstance(output, Mapping) else stand_in)
+
+    def _lookahead_count(self, trainer: pl.Trainer, position: int, steps_now: bool) -> float:
+        window = self._window
+        if window is None or window.trained == window.length:
+            window = self._lookahead_begin(trainer, position)
+        if steps_now != (window.trained == window.length - 1):
+            raise RuntimeError(
+                f"token_mean: internal error: Lightning steps at batch {position} but the lookahead window"
+                f" {window.start}..{window.start + window.length - 1} does not end there. Please report this with your"
+                " Trainer settings."
+            )
+        assert self._iterator is not None
+        count, _, _ = self._iterator.pop_count()
+        scale = count * trainer.accumulate_grad_batches * window.grad_factor
+        if self._loss_reduction == "sum":
+            scale = trainer.accumulate_grad_batches * window.grad_factor
+        self._micro_batch_scale = (scale, count > 0)
+        return count
+
+    def _lookahead_begin(self, trainer: pl.Trainer, position: int) -> _Window:
+        if self._iterator is None:
+            raise RuntimeError(
+                "token_mean: the training loader was not wrapped for lookahead. `mode='lookahead'` reads the loader"
+                " through `process_dataloader`; with a `training_step(self, dataloader_iter)` signature use"
+                " `mode='deferred'`."
+            )
+        accumulate = trainer.accumulate_grad_batches
+        length = accumulate - position % accumulate
+        if math.isfinite(trainer.num_training_batches):
+            length = min(length, int(trainer.num_training_batches) - position)
+        entries = self._iterator.peek_counts(length)
+        window = _Window(start=position, length=len(entries))
+        flags = [0.0] * len(_PROBLEMS)
+        for count, problem, detail in entries:
+            window.local_counts.append(count)
+            if problem is not None:
+                flags[problem] = 1.0
+                window.problem_detail = window.problem_detail or detail
+        record = torch.tensor([sum(window.local_counts), 0.0, float(window.length), *flags], dtype=torch.float64).to(
+            self.root_device, non_blocking=True
+        )
+        rows = self._exchange(record)
+        self._raise_if_problems(trainer, rows, window, check_lengths=True)
+        window.rank_counts = tuple(row[_COUNT] for row in rows)
+        window.global_count = math.fsum(window.rank_counts)
+        # the loss scale that undoes Lightning's 1/K and DDP's 1/P
+        window.grad_factor = self.world_size / window.global_count if window.global_count > 0 else 0.0
+        window.loss_sum = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        window.flags = torch.zeros(len(_PROBLEMS), dtype=torch.float64, device=self.root_device)
+        self._window = window
+        return window
+
+    def _deferred_begin(self, position: int) -> _Window:
+        window = self._window
+        if window is not None and window.trained < window.length:
+            return window
+        # the length is not known ahead in this mode; Lightning's stepping rule closes the window
+        window = _Window(start=position, length=1 << 62)
+        window.count = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        window.loss_sum = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        window.flags = torch.zeros(len(_PROBLEMS), dtype=torch.float64, device=self.root_device)
+        self._window = window
+        return window
+
+    def _deferred_count(self, batch: Any, output: STEP_OUTPUT) -> Tensor:
+        window = self._window
+        assert window is not None and window.flags is not None and window.count is not None
+        num_items = output.get("num_items") if isinstance(output, Mapping) else None
+        count: Tensor | None = None
+        from_fn: Tensor | None = None
+        if self._count_fn is not None or num_items is None:
+            value, problem, detail = self._read_count_tensor(batch)
+            if problem is not None:
+                window.flags[problem] = 1.0
+                window.problem_detail = window.problem_detail or detail
+            from_fn = value
+        if num_items is not None:
+            value, problem, detail = self._as_count_tensor(num_items, "'num_items'")
+            if problem is not None:
+                window.flags[problem] = 1.0
+                window.problem_detail = window.problem_detail or detail
+            count = value
+            if from_fn is not None:
+                window.flags[_COUNT_MISMATCH] = torch.maximum(
+                    window.flags[_COUNT_MISMATCH], (from_fn != count).double()
+                )
+        else:
+            assert from_fn is not None
+            count = from_fn
+        # negative / non-finite counts are flagged on the device: no host sync per micro-batch
+        window.flags[_COUNT_NEGATIVE] = torch.maximum(window.flags[_COUNT_NEGATIVE], (count < 0).double())
+        window.flags[_COUNT_NONFINITE] = torch.maximum(
+            window.flags[_COUNT_NONFINITE], (~torch.isfinite(count)).double()
+        )
+        has_items = torch.isfinite(count) & (count > 0)
+        count = torch.where(has_items, count, torch.zeros_like(count))
+        window.count = window.count + count
+        accumulate = self._trainer().accumulate_grad_batches
+        if window.trained == 0:
+            window.provisional = self._provisional(count, accumulate)
+        # backward on this rank's loss sum over D; Lightning's 1/K is undone here
+        scale = (count if self._loss_reduction == "mean" else torch.ones_like(count)) * (
+            accumulate / window.provisional
+        )
+        self._micro_batch_scale = (scale, has_items)
+        return count
+
+    def _read_count_tensor(self, batch: Any) -> tuple[Tensor, int | None, str]:
+        try:
+            value = self.count_fn(batch)
+        except Exception as error:  # every rank must reach the collective to learn of it
+            return self._zero(), _COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}"
+        return self._as_count_tensor(value, "`count_fn`")
+
+    def _as_count_tensor(self, value: Any, source: str) -> tuple[Tensor, int | None, str]:
+        if isinstance(value, Tensor):
+            if value.numel() != 1 or value.is_complex():
+                return self._zero(), _COUNT_FAILED, f"{source} is a tensor of shape {tuple(value.shape)}"
+            return value.detach().reshape(()).to(self.root_device, torch.float64, non_blocking=True), None, ""
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return torch.tensor(float(value), dtype=torch.float64, device=self.root_device), None, ""
+        return self._zero(), _COUNT_FAILED, f"{source} is {type(value).__name__} {value!r}"
+
+    def _zero(self) -> Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.root_device)
+
+    def _add_loss(self, window: _Window, loss: Tensor | None, count: float | Tensor) -> None:
+        assert window.loss_sum is not None and window.flags is not None
+        if loss is None:
+            window.flags[_NO_LOSS] = 1.0
+            return
+        value = loss.detach().to(torch.float64).reshape(())
+        has_items = torch.as_tensor(count, dtype=torch.float64, device=value.device) > 0
+        if self._loss_reduction == "mean":
+            value = value * torch.as_tensor(count, dtype=torch.float64, device=value.device)
+        # a micro-batch without items may hold NaN (0/0): it contributes zero; with items, NaN is an error
+        window.flags[_BAD_LOSS] = torch.maximum(window.flags[_BAD_LOSS], (has_items & ~torch.isfinite(value)).double())
+        window.loss_sum = window.loss_sum + torch.where(has_items, value, torch.zeros_like(value))
+
+    # ------------------------------------------------------------------------------------------------------------
+    # the end of a window
+    # ------------------------------------------------------------------------------------------------------------
+
+    def _finish_window(self, trainer: pl.Trainer, window: _Window) -> None:
+        assert window.loss_sum is not None and window.flags is not None
+        window.length = window.trained
+        if self._mode == "lookahead":
+            record = torch.cat([torch.stack([self._zero(), window.loss_sum, self._zero()]), window.flags])
+        else:
+            assert window.count is not None
+            record = torch.cat(
+                [torch.stack([window.count, window.loss_sum, self._zero() + window.length]), window.flags]
+            )
+        rows = self._exchange(record)
+        self._raise_if_problems(trainer, rows, window, check_lengths=self._mode == "deferred")
+        if self._mode == "deferred":
+            window.rank_counts = tuple(row[_COUNT] for row in rows)
+            window.global_count = math.fsum(window.rank_counts)
+            # the buckets hold Σ∇(loss sums)/D on each rank; scaling by D/N before the SUM all-reduce gives 1/N
+            window.grad_factor = window.provisional / window.global_count if window.global_count > 0 else 0.0
+            if window.global_count > 0:
+                self._last_provisional = window.global_count / self.world_size
+        loss_total = math.fsum(row[_LOSS_SUM] for row in rows)
+        skipped = window.global_count == 0
+        rank = self.global_rank
+        self.last_window = WindowStats(
+            global_count=window.global_count,
+            local_count=window.rank_counts[rank],
+            rank_counts=window.rank_counts,
+            window_length=window.length,
+            loss=None if skipped else loss_total / window.global_count,
+            skipped=skipped,
+            mode=self._mode,
+        )
+        if skipped:
+            self.skipped_steps += 1
+            rank_zero_warn(
+                "token_mean: an accumulation window had no valid items on any rank (N = 0); its optimizer step was"
+                " skipped, leaving parameters and optimizer state unchanged. `strategy.skipped_steps` counts them."
+            )
+
+    def _exchange(self, record: Tensor) -> list[list[float]]:
+        """All-gather one small float64 record per rank: the window's only collective of its kind.
+
+        The host copy is a sync point, once per window: the problem flags must be read on the host so that every
+        rank raises together.
+        """
+        if self.world_size == 1 or not dist.is_available() or not dist.is_initialized():
+            return [record.tolist()]
+        # flat output: gloo rejects a (P, R) one
+        rows = torch.empty(self.world_size * record.numel(), dtype=record.dtype, device=record.device)
+        dist.all_gather_into_tensor(rows, record.contiguous())
+        return rows.view(self.world_size, -1).tolist()  # type: ignore[no-any-return]
+
+    def _raise_if_problems(
+        self, trainer: pl.Trainer, rows: list[list[float]], window: _Window, check_lengths: bool
+    ) -> None:
+        messages: list[str] = []
+        for rank, row in enumerate(rows):
+            for index, (what, fix) in enumerate(_PROBLEMS):
+                if row[_FLAGS + index]:
+                    messages.append(f"rank {rank}: {what}. Fix: {fix}")
+        if check_lengths and len({row[_LENGTH] for row in rows}) > 1:
+            lengths = ", ".join(f"rank {rank}: {int(row[_LENGTH])}" for rank, row in enumerate(rows))
+            what, fix = _PROBLEMS[_UNEVEN]
+            messages.append(f"{what} ({lengths} micro-batches). Fix: {fix}")
+        if not messages:
+            return
+        detail = f" (on this rank: {window.problem_detail})" if window.problem_detail else ""
+        raise DenominatorError(
+            f"token_mean: cannot normalize the accumulation window of optimizer step {trainer.global_step + 1}"
+            f" (epoch {trainer.current_epoch}, batches {window.start}..{window.start + window.trained}):\n  "
+            + "\n  ".join(messages)
+            + detail
+        )
+
+    # ------------------------------------------------------------------------------------------------------------
+    # backward and step
+    # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        scale, has_items = self._micro_batch_scale
+        if isinstance(has_items, Tensor):  # deferred: the count lives on the device, so select without a sync
+            closure_loss = torch.where(has_items, closure_loss, torch.zeros_like(closure_loss)) * scale
+        elif has_items:
+            closure_loss = closure_loss * scale
+        else:
+            # the mean of an empty micro-batch is 0/0 = NaN; its backward must still run for DDP
+            closure_loss = torch.nan_to_num(closure_loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def _provisional(self, first_count: Tensor, accumulate: int) -> float:
+        """D, this rank's stand-in for N/P until N is known: the previous window's N/P.
+
+        Backward on raw loss sums would overflow fp16 at GradScaler's default scale of 2**16; sums over D have the
+        magnitude of a mean. Any D is exact, since the gradient hook multiplies by D/N.
+        """
+        if self._last_provisional is not None:
+            return self._last_provisional
+        # first window only: one host sync to size D from the first micro-batch
+        return max(float(first_count.item()) * accumulate, 1.0)
+
+    @override
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
+        # Run the window's last micro-batch first: afterwards N is known, so an empty window can skip the step, and
+        # in deferred mode the gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
+        result = closure()
+        calls = 0
+
+        def replay() -> Any:
+            nonlocal calls
+            calls += 1
+            if calls > 1:
+                raise RuntimeError(
+                    "token_mean: the optimizer evaluated the closure more than once in one step (as LBFGS does);"
+                    " that would count the window's items again. Use a first-order optimizer."
+                )
+            return result
+
+        if self.last_window is not None and self.last_window.skipped:
+            return None
+        return super().optimizer_step(optimizer, replay, model, **kwargs)
+
+
+TokenMeanDDPStrategy.register_strategies(StrategyRegistry)

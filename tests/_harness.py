@@ -1,0 +1,227 @@
+"""A token-level model, ragged per-rank data and the plain-torch unpartitioned reference the strategy must match.
+
+Every distributed test here follows torchmetrics' rule: each rank trains on its own share, and the result is
+compared with a plain-torch run over the concatenated data of each optimizer step.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.callbacks import Callback
+from torch import Tensor, nn
+from torch.utils.data import DataLoader, Dataset, IterableDataset
+
+FEATURES, CLASSES = 5, 7
+Batch = dict[str, Tensor]
+
+
+def make_batch(generator: torch.Generator, rows: int, length: int, keep: float) -> Batch:
+    """One micro-batch: `rows` sequences of `length` tokens, each target kept with probability `keep`."""
+    x = torch.randn(rows, length, FEATURES, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, CLASSES, (rows, length), generator=generator)
+    masked = torch.rand(rows, length, generator=generator) >= keep
+    return {"x": x, "labels": labels.masked_fill(masked, -100)}
+
+
+def ragged_batches(ranks: int, batches: int, seed: int = 0, keep: Sequence[float] = (0.9, 0.15)) -> list[list[Batch]]:
+    """Per-rank batches with ragged shapes and per-rank mask rates far apart."""
+    generator = torch.Generator().manual_seed(seed)
+    data: list[list[Batch]] = []
+    for rank in range(ranks):
+        rank_batches = []
+        for _ in range(batches):
+            rows = int(torch.randint(1, 5, (), generator=generator))
+            length = int(torch.randint(2, 9, (), generator=generator))
+            rank_batches.append(make_batch(generator, rows, length, keep[rank % len(keep)]))
+        data.append(rank_batches)
+    return data
+
+
+def empty_like(batch: Batch) -> Batch:
+    return {"x": batch["x"], "labels": torch.full_like(batch["labels"], -100)}
+
+
+class TokenNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.hidden = nn.Linear(FEATURES, 6, dtype=torch.float64)
+        self.out = nn.Linear(6, CLASSES, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.out(torch.tanh(self.hidden(x)))
+
+
+def token_loss(net: nn.Module, batch: Batch, reduction: str = "mean") -> Tensor:
+    logits = net(batch["x"])
+    return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction=reduction)
+
+
+def initial_state(seed: int = 1) -> dict[str, Tensor]:
+    torch.manual_seed(seed)
+    return {k: v.clone() for k, v in TokenNet().state_dict().items()}
+
+
+def make_optimizer(params: Any, lr: float = 0.5, momentum: float = 0.9) -> torch.optim.Optimizer:
+    return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+class ListDataset(Dataset[Batch]):
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+    def __getitem__(self, index: int) -> Batch:
+        return self.batches[index]
+
+
+class StreamDataset(IterableDataset[Batch]):
+    """An unsized loader: Lightning cannot know where the epoch ends until the stream does."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        yield from self.batches
+
+
+class TokenModule(pl.LightningModule):
+    """What a user already has: `training_step` returns the masked mean loss of its micro-batch."""
+
+    def __init__(
+        self,
+        data: list[list[Batch]],
+        reduction: str = "mean",
+        iterable: bool = False,
+        as_dict: bool = False,
+        output_fn: Callable[[TokenModule, Batch, Tensor], Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.net = TokenNet()
+        self.net.load_state_dict(initial_state())
+        self.data = data
+        self.reduction = reduction
+        self.iterable = iterable
+        self.as_dict = as_dict
+        self.output_fn = output_fn
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        loss = token_loss(self.net, batch, self.reduction)
+        if self.output_fn is not None:
+            return self.output_fn(self, batch, loss)
+        return {"loss": loss} if self.as_dict else loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return make_optimizer(self.parameters())
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        rank_batches = self.data[self.global_rank]
+        dataset = StreamDataset(rank_batches) if self.iterable else ListDataset(rank_batches)
+        return DataLoader(dataset, batch_size=None)
+
+
+class Recorder(Callback):
+    """Rank 0 writes the final parameters and every window's stats, since forked workers cannot return objects."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+        self.windows: list[dict[str, Any]] = []
+        self._last: object = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        window = getattr(trainer.strategy, "last_window", None)
+        if window is not None and window is not self._last:
+            self._last = window
+            self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts)})
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
+            torch.save(state, self.path / "params.pt")
+            (self.path / "windows.json").write_text(json.dumps(self.windows))
+
+
+def fit(
+    module: TokenModule,
+    strategy: Any,
+    tmp_path: Path,
+    devices: int = 2,
+    **trainer_kwargs: Any,
+) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
+    """Train with `devices` forked gloo processes; returns rank 0's final parameters and window stats."""
+    trainer_kwargs.setdefault("max_epochs", 1)
+    callbacks = [Recorder(tmp_path), *trainer_kwargs.pop("callbacks", [])]
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module)
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    windows = json.loads((tmp_path / "windows.json").read_text())
+    return {k.removeprefix("net."): v for k, v in params.items()}, windows
+
+
+def windows_of(batches: int, accumulate: int) -> list[range]:
+    """Lightning's stepping rule: a step every K batches and on the last batch of the epoch."""
+    return [range(start, min(start + accumulate, batches)) for start in range(0, batches, accumulate)]
+
+
+def reference(
+    data: list[list[Batch]],
+    schedule: Callable[[int], int],
+    epochs: int = 1,
+    limit: int | None = None,
+    max_steps: int | None = None,
+) -> tuple[dict[str, Tensor], list[float]]:
+    """The unpartitioned objective: per optimizer step, the mean loss over every valid token of every rank.
+
+    Returns the final parameters and the global count N of each step.
+    """
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    counts: list[float] = []
+    batches = min(len(rank) for rank in data) if limit is None else min(limit, min(len(rank) for rank in data))
+    for epoch in range(epochs):
+        for window in windows_of(batches, schedule(epoch)):
+            if max_steps is not None and len(counts) == max_steps:
+                break
+            step_batches = [rank[i] for rank in data for i in window]
+            total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
+            counts.append(float(total))
+            if total == 0:
+                continue  # an empty step changes nothing
+            optimizer.zero_grad()
+            loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+            assert isinstance(loss, Tensor)
+            loss.backward()
+            optimizer.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}, counts
+
+
+def relative_error(params: dict[str, Tensor], expected: dict[str, Tensor]) -> float:
+    """Largest per-tensor ‖p − p_ref‖ / ‖p_ref‖."""
+    return max(float((params[k] - v).norm() / v.norm()) for k, v in expected.items())
+
+
+def constant(k: int) -> Callable[[int], int]:
+    return lambda epoch: k
+
+

@@ -1,0 +1,21 @@
+"""Shared fixtures: a clean process group and environment around every test (as Lightning's own tests do)."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+import torch.distributed as dist
+
+
+@pytest.fixture(autouse=True)
+def _clean_distributed_state() -> Iterator[None]:
+    env = dict(os.environ)
+    yield
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_default_dtype(torch.float32)
