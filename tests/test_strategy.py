@@ -1,0 +1,291 @@
+"""TokenMeanDDPStrategy against the plain-torch unpartitioned reference (float64, relative 1e-12).
+
+Every case also runs with plain ``DDPStrategy``, which must miss the reference wherever ranks or micro-batches hold
+different numbers of valid tokens: the tests can fail.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _harness import (
+    TokenModule,
+    constant,
+    empty_like,
+    fit,
+    initial_state,
+    ragged_batches,
+    reference,
+    relative_error,
+    token_loss,
+)
+from lightning.pytorch.callbacks import GradientAccumulationScheduler
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+from token_mean import DenominatorError, TokenMeanDDPStrategy
+
+EXACT = 1e-12
+MODES = ("lookahead", "deferred")
+FORK = {"start_method": "fork", "process_group_backend": "gloo"}
+
+
+def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
+    if mode == "plain":
+        return DDPStrategy(**FORK)
+    return TokenMeanDDPStrategy(mode=mode, **FORK, **kwargs)  # type: ignore[arg-type]
+
+
+def with_empty(data: list[list[dict[str, Tensor]]], cells: list[tuple[int, int]]) -> list[list[dict[str, Tensor]]]:
+    data = [list(rank) for rank in data]
+    for rank, index in cells:
+        data[rank][index] = empty_like(data[rank][index])
+    return data
+
+
+# (name, devices, K, batches per rank, empty (rank, batch) cells, extra Trainer kwargs, epochs)
+CASES: list[tuple[str, int, int, int, list[tuple[int, int]], dict[str, Any], int]] = [
+    ("P1-K1", 1, 1, 5, [], {}, 1),
+    ("P1-K3-partial", 1, 3, 7, [], {}, 1),
+    ("P2-K1", 2, 1, 5, [], {}, 1),
+    ("P2-K3-partial-2-epochs", 2, 3, 7, [], {}, 2),
+    ("masked-micro-batch", 2, 3, 6, [(0, 1), (1, 4)], {}, 1),
+    ("empty-rank-window", 2, 3, 6, [(1, 0), (1, 1), (1, 2)], {}, 1),
+    ("empty-global-window", 2, 2, 6, [(0, 2), (0, 3), (1, 2), (1, 3)], {}, 1),
+    ("limit-train-batches", 2, 3, 9, [], {"limit_train_batches": 5}, 2),
+    ("max-steps-mid-epoch", 2, 2, 9, [], {"max_steps": 3, "max_epochs": -1}, 1),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize(("name", "devices", "k", "batches", "empty", "trainer_kwargs", "epochs"), CASES)
+def test_matches_unpartitioned_reference(
+    tmp_path: Path, mode: str, name: str, devices: int, k: int, batches: int, empty: list[tuple[int, int]],
+    trainer_kwargs: dict[str, Any], epochs: int,
+) -> None:
+    data = with_empty(ragged_batches(devices, batches, seed=len(name)), empty)
+    kwargs = {"max_epochs": epochs, **trainer_kwargs}
+    params, windows = fit(TokenModule(data), strategy_for(mode), tmp_path, devices, accumulate_grad_batches=k, **kwargs)
+    expected, counts = reference(
+        data, constant(k), epochs, trainer_kwargs.get("limit_train_batches"), trainer_kwargs.get("max_steps")
+    )
+    error = relative_error(params, expected)
+    if mode == "plain":
+        # a mean of means matches only when every micro-batch holds the same number of tokens
+        if devices * k > 1:
+            assert error > 1e-6, f"plain DDP matched the token mean in case {name}: the test could not fail"
+        return
+    assert error < EXACT, f"{mode}/{name}: relative parameter error {error:.3e}"
+    assert [w["global_count"] for w in windows] == counts
+    assert all(sum(w["rank_counts"]) == w["global_count"] for w in windows)
+    assert [w["skipped"] for w in windows] == [c == 0 for c in counts]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_iterable_dataset(tmp_path: Path, mode: str) -> None:
+    """An unsized loader: the last window's end is only known when the stream runs out."""
+    data = ragged_batches(2, 8, seed=3)
+    params, _ = fit(TokenModule(data, iterable=True), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+    expected, _ = reference(data, constant(3))
+    assert relative_error(params, expected) < EXACT
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_accumulation_schedule(tmp_path: Path, mode: str) -> None:
+    """K changes per epoch through GradientAccumulationScheduler."""
+    data = ragged_batches(2, 7, seed=4)
+    scheduler = GradientAccumulationScheduler(scheduling={0: 3, 1: 2, 2: 4})
+    params, _ = fit(TokenModule(data), strategy_for(mode), tmp_path, max_epochs=3, callbacks=[scheduler])
+    expected, _ = reference(data, lambda epoch: {0: 3, 1: 2}.get(epoch, 4), epochs=3)
+    assert relative_error(params, expected) < EXACT
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("as_dict", [False, True])
+def test_sum_reduction(tmp_path: Path, mode: str, as_dict: bool) -> None:
+    data = with_empty(ragged_batches(2, 5, seed=5), [(1, 2)])
+    module = TokenModule(data, reduction="sum", as_dict=as_dict)
+    strategy = strategy_for(mode, loss_reduction="sum")
+    params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=2)
+    expected, _ = reference(data, constant(2))
+    assert relative_error(params, expected) < EXACT
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_dict_output_and_custom_count_fn(tmp_path: Path, mode: str) -> None:
+    calls: list[int] = []
+
+    def count_fn(batch: dict[str, Tensor]) -> Tensor:
+        calls.append(1)
+        return (batch["labels"] >= 0).sum()
+
+    data = ragged_batches(2, 4, seed=6)
+    strategy = strategy_for(mode, count_fn=count_fn)
+    params, _ = fit(TokenModule(data, as_dict=True), strategy, tmp_path, accumulate_grad_batches=2, devices=2)
+    expected, _ = reference(data, constant(2))
+    assert relative_error(params, expected) < EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the worked example: ℓ(w; y) = ½(w − y)², w = 10, rank 0 targets [9, 9], rank 1 targets [7] * 6, SGD lr 0.1
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Scalar(pl.LightningModule):
+    def __init__(self, path: Path) -> None:
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.tensor(10.0, dtype=torch.float64))
+        self.path = path
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        return (0.5 * (self.w - batch["labels"]) ** 2).mean()
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        targets = [[9.0, 9.0], [7.0] * 6][self.global_rank]
+        return DataLoader([{"labels": torch.tensor(targets, dtype=torch.float64)}], batch_size=None)
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            self.path.write_text(repr(float(self.w)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("strategy", "expected"), [("token_mean", 9.75), ("plain", 9.8)])
+def test_worked_example(tmp_path: Path, strategy: str, expected: float) -> None:
+    chosen = TokenMeanDDPStrategy(**FORK) if strategy == "token_mean" else DDPStrategy(**FORK)
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=chosen, max_steps=1, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False, use_distributed_sampler=False,
+    )
+    trainer.fit(Scalar(tmp_path / "w.txt"))
+    assert float((tmp_path / "w.txt").read_text()) == pytest.approx(expected, abs=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# names and errors
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("name", "start_method"), [("ddp_token_mean", "popen"), ("ddp_token_mean_spawn", "spawn"), ("ddp_token_mean_fork", "fork")]
+)
+def test_registered_names(name: str, start_method: str) -> None:
+    trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, TokenMeanDDPStrategy)
+    assert trainer.strategy._start_method == start_method
+    # DDP's own names still mean DDP
+    assert StrategyRegistry["ddp"]["strategy"] is DDPStrategy
+    assert [n for n in StrategyRegistry if StrategyRegistry[n]["strategy"] is TokenMeanDDPStrategy] == [
+        "ddp_token_mean", "ddp_token_mean_spawn", "ddp_token_mean_fork"
+    ]
+
+
+def test_ddp_arguments_pass_through() -> None:
+    from datetime import timedelta
+
+    strategy = TokenMeanDDPStrategy(
+        count_fn=len, process_group_backend="gloo", timeout=timedelta(seconds=7), start_method="spawn",
+        find_unused_parameters=True,
+    )
+    assert strategy._process_group_backend == "gloo"
+    assert strategy._timeout == timedelta(seconds=7)
+    assert strategy._start_method == "spawn"
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True}
+    assert strategy.count_fn is len and strategy.mode == "lookahead" and strategy.loss_reduction == "mean"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"mode": "eager"}, r"`mode` must be one of \('lookahead', 'deferred'\), got 'eager'"),
+        ({"loss_reduction": "avg"}, r"`loss_reduction` must be one of \('mean', 'sum'\), got 'avg'"),
+        ({"count_fn": 3}, r"`count_fn` must be a callable"),
+        ({"mode": "deferred", "ddp_comm_hook": lambda s, b: None}, r"`ddp_comm_hook` cannot be combined"),
+    ],
+)
+def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        TokenMeanDDPStrategy(**kwargs)
+
+
+class Manual(TokenModule):
+    def __init__(self, data: Any) -> None:
+        super().__init__(data)
+        self.automatic_optimization = False
+
+
+class WithLBFGS(TokenModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.LBFGS(self.parameters())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(
+    ("module_cls", "match"), [(Manual, "needs automatic optimization"), (WithLBFGS, "does not support `torch.optim.LBFGS`")]
+)
+def test_unsupported_setups(tmp_path: Path, module_cls: type[TokenModule], match: str) -> None:
+    with pytest.raises(Exception, match=match):
+        fit(module_cls(ragged_batches(2, 2)), strategy_for("lookahead"), tmp_path)
+
+
+class TupleBatches(TokenModule):
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        x, labels = batch
+        return token_loss(self.net, {"x": x, "labels": labels})
+
+    def train_dataloader(self) -> DataLoader[Any]:
+        return DataLoader([(b["x"], b["labels"]) for b in self.data[self.global_rank]], batch_size=None)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_default_count_needs_labels(tmp_path: Path, mode: str) -> None:
+    """Without a `labels` key the default count cannot work: every rank says so, naming `count_fn`."""
+    with pytest.raises(Exception, match=r"rank 0: `count_fn` failed[\s\S]*rank 1: `count_fn` failed"):
+        fit(TupleBatches(ragged_batches(2, 2)), strategy_for(mode), tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_count_fn_for_tuple_batches(tmp_path: Path, mode: str) -> None:
+    data = ragged_batches(2, 4, seed=8)
+    strategy = strategy_for(mode, count_fn=lambda batch: (batch[1] != -100).sum())
+    params, _ = fit(TupleBatches(data), strategy, tmp_path, accumulate_grad_batches=2)
+    expected, _ = reference(data, constant(2))
+    assert relative_error(params, expected) < EXACT
+
+
+def test_denominator_error_is_a_runtime_error() -> None:
+    assert issubclass(DenominatorError, RuntimeError)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what users run: Lightning's default subprocess launcher on a real script
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_subprocess_launcher(tmp_path: Path) -> None:
+    script = Path(__file__).parent / "scripts" / "train_token_mean.py"
+    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=180, cwd=tmp_path)
+    params = torch.load(tmp_path / "params.pt", weights_only=True)
+    data = ragged_batches(2, 7, seed=11)
+    expected, _ = reference(data, constant(3), epochs=2)
+    assert relative_error({k.removeprefix("net."): v for k, v in params.items()}, expected) < EXACT
+    assert set(initial_state()) == {k.removeprefix("net.") for k in params}
