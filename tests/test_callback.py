@@ -99,6 +99,35 @@ def test_logged_counts_match_the_data(tmp_path: Path, strategy: str, monkeypatch
             assert steps[step]["loss"] == pytest.approx(loss, rel=EXACT)
 
 
+@pytest.mark.distributed
+def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
+    def count_fn(batch: dict[str, torch.Tensor]) -> Any:
+        return "not a count" if torch.distributed.get_rank() == 1 else (batch["labels"] != -100).sum()
+
+    trainer = trainer_for(tmp_path, strategy_for("plain"), devices=2, accumulate_grad_batches=2,
+                          callbacks=[DenominatorMonitor(count_fn=count_fn)])
+    with pytest.raises(Exception, match=r"`count_fn` failed on rank\(s\) \[1\] in optimizer step 0"):
+        trainer.fit(TokenModule(counts_data([[3, 4], [5, 6]])))
+
+
+@pytest.mark.distributed
+@needs_strategy
+def test_skipped_window_under_the_strategy(tmp_path: Path) -> None:
+    """A window with no valid item anywhere: the strategy skips the step; N = 0 is logged, the loss is not."""
+    data = counts_data([[3, 0, 4], [2, 0, 5]])
+    trace = tmp_path / "trace.jsonl"
+    trainer = trainer_for(tmp_path, strategy_for("lookahead"), devices=2,
+                          callbacks=[DenominatorMonitor(record=trace)])
+    trainer.fit(TokenModule(data))
+    steps = logged(tmp_path)
+    assert steps[1]["global_count"] == 0.0 and "loss" not in steps[1]
+    assert steps[1]["naive_weight_error"] == 0.0 and steps[1]["imbalance"] == 0.0
+    rows = read_trace(trace)
+    assert rows[1]["loss"] is None and rows[1]["grad_norm"] is None  # no optimizer step, no gradient
+    assert rows[1]["param_sum"] == rows[0]["param_sum"]  # parameters unchanged
+    assert rows[2]["grad_norm"] is not None
+
+
 def test_single_device_measures_itself(tmp_path: Path) -> None:
     data = ragged_batches(1, 5, seed=2)
     trainer = trainer_for(tmp_path, accumulate_grad_batches=2, callbacks=[DenominatorMonitor(prefix="tokens")])
@@ -300,7 +329,7 @@ def test_token_mean_validation_loss(tmp_path: Path) -> None:
     data = counts_data([[12, 2, 7, 5], [1, 3, 12, 9]])  # no empty batch: Lightning's mean of means would be NaN
     module = ValidationModule(data)
     [results] = trainer_for(tmp_path, DDPStrategy(**FORK), devices=2, logger=False).validate(module)
-    expected_sum = sum(float(token_loss(module.net, b, "sum")) for rank in data for b in rank)
+    expected_sum = sum(float(token_loss(module.net, b, "sum").detach()) for rank in data for b in rank)
     expected = expected_sum / sum(count_of(b) for rank in data for b in rank)
     assert results["val_token_mean"] == pytest.approx(expected, rel=1e-12)
     assert abs(results["val_sync_dist"] - expected) > 1e-3 * expected  # Lightning's default is a mean of means

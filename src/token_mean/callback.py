@@ -97,7 +97,7 @@ class DenominatorMonitor(Callback):
 
     Under :class:`~token_mean.TokenMeanDDPStrategy` the numbers are the strategy's ``last_window`` and the monitor adds
     no collective. Under plain ``DDPStrategy`` or on one device the monitor measures them itself: ``count_fn(batch)``
-    and the micro-batch loss per micro-batch, kept on the device, then one ``all_gather`` of three float64 numbers per
+    and the micro-batch loss per micro-batch, kept on the device, then one ``all_gather`` of four float64 numbers per
     rank per optimizer step. Metrics go straight to ``trainer.loggers`` from rank zero at the step Lightning logs the
     batch's own ``self.log`` values under (``trainer.global_step`` before the update), every ``log_every_n_steps``
     steps or every ``logging_interval`` steps.
@@ -135,7 +135,8 @@ class DenominatorMonitor(Callback):
         ValueError: if a setting is out of range, a trace suffix is not ``.csv``/``.jsonl``/``.ndjson``, or ``record``
             and ``reference`` are the same file; at fit start, if the reference is malformed or covers a different
             number of optimizer steps than this run.
-        TypeError: if ``count_fn`` is not callable.
+        TypeError: if ``count_fn`` is not callable; during fit, if ``count_fn`` fails on a micro-batch (with several
+            ranks, every rank raises at the end of the window, so none waits in the collective).
         DivergenceError: with ``on_divergence="raise"``, at the first divergent step.
 
     Example:
@@ -215,6 +216,7 @@ class DenominatorMonitor(Callback):
         self._writer: TraceWriter | None = None
         self._warned_missing_window = False
         self._warned_past_reference = False
+        self._fingerprints = False
         self._reset_window()
 
     # ------------------------------------------------------------------ configuration
@@ -249,6 +251,8 @@ class DenominatorMonitor(Callback):
             self._check_reference_length(trainer)
         if self._record_path is not None and trainer.is_global_zero:
             self._writer = TraceWriter(self._record_path)
+        # Only rank zero writes the trace, but every rank compares (see the class docstring).
+        self._fingerprints = self._writer is not None or self._reference is not None
 
     def _check_reference_length(self, trainer: Trainer) -> None:
         assert self._reference is not None
@@ -269,7 +273,8 @@ class DenominatorMonitor(Callback):
     # ------------------------------------------------------------------ per micro-batch
 
     def _reset_window(self) -> None:
-        self._window_record: Tensor | None = None  # [count, loss sum, naive loss] on the device, float64
+        self._window_record: Tensor | None = None  # [count, loss sum, naive loss, failed] on the device, float64
+        self._count_error = ""
         self._window_length = 0
         self._window_started_at = 0.0
         self._grad_norm: Tensor | None = None
@@ -287,12 +292,8 @@ class DenominatorMonitor(Callback):
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
-        if self._needs_fingerprint:
+        if self._fingerprints:
             self._grad_norm = _grad_norm(pl_module, trainer.strategy.root_device)
-
-    @property
-    def _needs_fingerprint(self) -> bool:
-        return self._record_path is not None or self._reference_path is not None
 
     @override
     def on_train_batch_end(
@@ -311,7 +312,7 @@ class DenominatorMonitor(Callback):
         if window is None:
             return
         self.last_window = window
-        row = self._trace_row(trainer, pl_module, step, window, grad_norm) if self._needs_fingerprint else None
+        row = self._trace_row(trainer, pl_module, step, window, grad_norm) if self._fingerprints else None
         if row is not None and self._writer is not None:
             self._writer.write(row)
         divergence = self._compare(step, row) if row is not None and self._reference is not None else None
@@ -340,14 +341,22 @@ class DenominatorMonitor(Callback):
         if not isinstance(loss, Tensor):
             return  # a skipped micro-batch (training_step returned None): no gradient, so no items either
         device = trainer.strategy.root_device
-        count = torch.as_tensor(as_count(self._count_fn(batch), "count_fn"), dtype=torch.float64, device=device)
+        try:
+            count = torch.as_tensor(as_count(self._count_fn(batch), "count_fn"), dtype=torch.float64, device=device)
+        except Exception as error:
+            if trainer.world_size == 1:
+                raise
+            # Raising here alone would leave the other ranks waiting in the window's all_gather: flag it instead.
+            self._count_error = self._count_error or f"{type(error).__name__}: {error}"
+            count = torch.zeros((), dtype=torch.float64, device=device)
         naive = loss.detach().reshape(()).to(device=device, dtype=torch.float64)
         # Lightning divided the closure loss by K under automatic optimization; undo it to get the micro-batch's own.
         scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
         own = naive * scale
         # A micro-batch without valid items has a NaN mean loss (0/0), and NaN * 0 is still NaN.
         loss_sum = own if self._loss_reduction == "sum" else torch.where(count > 0, own * count, 0.0)
-        record = torch.stack((count, loss_sum, naive))
+        failed = torch.ones_like(count) if self._count_error else torch.zeros_like(count)
+        record = torch.stack((count, loss_sum, naive, failed))
         self._window_record = record if self._window_record is None else self._window_record + record
 
     def _finish_window(self, trainer: Trainer) -> tuple[WindowStats | None, float | None]:
@@ -366,15 +375,23 @@ class DenominatorMonitor(Callback):
 
         record = self._window_record
         if record is None:
-            record = torch.zeros(3, dtype=torch.float64, device=trainer.strategy.root_device)
+            record = torch.zeros(4, dtype=torch.float64, device=trainer.strategy.root_device)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # The one collective per optimizer step: 3 float64 numbers per rank.
+            # The one collective per optimizer step: 4 float64 numbers per rank.
             gathered = [torch.empty_like(record) for _ in range(dist.get_world_size())]
             dist.all_gather(gathered, record)
             rows: list[list[float]] = torch.stack(gathered).tolist()
             rank = dist.get_rank()
         else:
             rows, rank = [record.tolist()], 0
+        failed_ranks = [index for index, row in enumerate(rows) if row[3]]
+        if failed_ranks:
+            raise TypeError(
+                f"DenominatorMonitor: `count_fn` failed on rank(s) {failed_ranks} in optimizer step"
+                f" {self._step_at_batch_start}{f' (on this rank: {self._count_error})' if self._count_error else ''}."
+                " Pass `DenominatorMonitor(count_fn=...)` returning the number of valid items of one micro-batch,"
+                " e.g. `lambda batch: (batch[1] != -100).sum()` for (inputs, targets) tuples."
+            )
         rank_counts = tuple(row[0] for row in rows)
         global_count = math.fsum(rank_counts)
         loss = math.fsum(row[1] for row in rows) / global_count if global_count > 0 else None
