@@ -158,6 +158,7 @@ def fit(
 ) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
     """Train with `devices` forked gloo processes; returns rank 0's final parameters and window stats."""
     trainer_kwargs.setdefault("max_epochs", 1)
+    tmp_path.mkdir(parents=True, exist_ok=True)
     callbacks = [Recorder(tmp_path), *trainer_kwargs.pop("callbacks", [])]
     trainer = pl.Trainer(
         accelerator="cpu",
@@ -189,6 +190,8 @@ def reference(
     epochs: int = 1,
     limit: int | None = None,
     max_steps: int | None = None,
+    clip_norm: float | None = None,
+    mask: Callable[[Batch], Batch] | None = None,
 ) -> tuple[dict[str, Tensor], list[float]]:
     """The unpartitioned objective: per optimizer step, the mean loss over every valid token of every rank.
 
@@ -198,12 +201,15 @@ def reference(
     net.load_state_dict(initial_state())
     optimizer = make_optimizer(net.parameters())
     counts: list[float] = []
-    batches = min(len(rank) for rank in data) if limit is None else min(limit, min(len(rank) for rank in data))
+    # ranks that run out early take part with zero-weight batches until the longest rank is done
+    batches = max(len(rank) for rank in data) if limit is None else min(limit, max(len(rank) for rank in data))
     for epoch in range(epochs):
         for window in windows_of(batches, schedule(epoch)):
             if max_steps is not None and len(counts) == max_steps:
                 break
-            step_batches = [rank[i] for rank in data for i in window]
+            step_batches = [rank[i] for rank in data for i in window if i < len(rank)]
+            if mask is not None:
+                step_batches = [mask(b) for b in step_batches]
             total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
             counts.append(float(total))
             if total == 0:
@@ -212,6 +218,8 @@ def reference(
             loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
             assert isinstance(loss, Tensor)
             loss.backward()
+            if clip_norm is not None:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
             optimizer.step()
     return {k: v.detach() for k, v in net.state_dict().items()}, counts
 

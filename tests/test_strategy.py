@@ -182,7 +182,8 @@ def test_worked_example(tmp_path: Path, strategy: str, expected: float) -> None:
 
 
 @pytest.mark.parametrize(
-    ("name", "start_method"), [("ddp_token_mean", "popen"), ("ddp_token_mean_spawn", "spawn"), ("ddp_token_mean_fork", "fork")]
+    ("name", "start_method"),
+    [("ddp_token_mean", "popen"), ("ddp_token_mean_spawn", "spawn"), ("ddp_token_mean_fork", "fork")],
 )
 def test_registered_names(name: str, start_method: str) -> None:
     trainer = pl.Trainer(strategy=name, accelerator="cpu", devices=2, logger=False)
@@ -236,7 +237,8 @@ class WithLBFGS(TokenModule):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize(
-    ("module_cls", "match"), [(Manual, "needs automatic optimization"), (WithLBFGS, "does not support `torch.optim.LBFGS`")]
+    ("module_cls", "match"),
+    [(Manual, "needs automatic optimization"), (WithLBFGS, "does not support `torch.optim.LBFGS`")],
 )
 def test_unsupported_setups(tmp_path: Path, module_cls: type[TokenModule], match: str) -> None:
     with pytest.raises(Exception, match=match):

@@ -7,7 +7,10 @@ import torch
 import torch.distributed as dist
 
 
-def scaled_allreduce_hook(state: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+def scaled_allreduce_hook(
+    state: Any,
+    bucket: dist.GradBucket,  # type: ignore[name-defined]
+) -> torch.futures.Future[torch.Tensor]:
     """SUM-all-reduce the bucket scaled by ``state._window.grad_factor``.
 
     Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean with no

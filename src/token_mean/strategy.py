@@ -10,9 +10,10 @@ from typing import Any, Literal
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -22,7 +23,7 @@ from typing_extensions import override
 from token_mean._comm_hook import scaled_allreduce_hook
 from token_mean._counting import count_valid_labels
 from token_mean._errors import DenominatorError
-from token_mean._lookahead import LookaheadIterator, wrap_loader
+from token_mean._loader import Count, TrainIterator, wrap_loader
 from token_mean._window import WindowStats
 
 Mode = Literal["lookahead", "deferred"]
@@ -114,6 +115,10 @@ class TokenMeanDDPStrategy(DDPStrategy):
         loss_reduction: what ``training_step`` returns: ``"mean"`` over the micro-batch's valid items (what
             ``F.cross_entropy(..., ignore_index=-100)`` gives) or their ``"sum"``.
         mode: ``"lookahead"`` or ``"deferred"``.
+        pad_uneven_ranks: when the ranks' training loaders have different lengths (per-rank shards, or
+            :class:`~token_mean.ExactDistributedSampler`), a rank that runs out repeats its last batch at weight zero
+            until the longest rank is done, so all ranks run the same windows and take part in every collective.
+            Costs one collective per epoch. With ``False``, different lengths are an error.
         \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
 
@@ -140,6 +145,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
         count_fn: Callable[[Any], int | float | Tensor] | None = None,
         loss_reduction: LossReduction = "mean",
         mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
         **kwargs: Any,
     ) -> None:
         if mode not in _MODES:
@@ -162,7 +168,8 @@ class TokenMeanDDPStrategy(DDPStrategy):
         self._count_fn = count_fn
         self._loss_reduction: LossReduction = loss_reduction
         self._mode: Mode = mode
-        self._iterator: LookaheadIterator | None = None
+        self._pad_uneven_ranks = pad_uneven_ranks
+        self._iterator: TrainIterator | None = None
         self._window: _Window | None = None
         self._micro_batch_scale: tuple[float | Tensor, bool | Tensor] = (1.0, True)
         self._last_provisional: float | None = None
@@ -241,25 +248,39 @@ class TokenMeanDDPStrategy(DDPStrategy):
     def process_dataloader(self, dataloader: object) -> object:
         dataloader = super().process_dataloader(dataloader)
         module = self.lightning_module
-        if self._mode != "lookahead" or module is None or module._trainer is None:
-            return dataloader
-        trainer = module.trainer
-        if trainer.state.fn != TrainerFn.FITTING:
-            return dataloader
-        # Validation loaders also pass through here while fitting; `_on_iter` tells them apart when iterated.
-        return wrap_loader(dataloader, self._read_count, self._on_iter)
+        if module is None or module._trainer is None or not module.trainer.training:
+            return dataloader  # validation, test and predict loaders are used as they are
+        length = self._common_length(dataloader)
+        count = self._read_count if self._mode == "lookahead" else None
+        return wrap_loader(dataloader, count, self._on_iter, length)
 
-    def _on_iter(self, loader: object, iterator: LookaheadIterator) -> None:
-        module = self.lightning_module
-        trainer = module.trainer if module is not None and module._trainer is not None else None
-        if trainer is None or trainer.train_dataloader is not loader:
-            iterator.passthrough()  # a validation loader: nothing to count
-            return
+    def _common_length(self, dataloader: object) -> int | None:
+        """The longest rank's number of batches (one collective per epoch); None for a loader without a length."""
+        local = sized_len(dataloader)
+        if local is None or self.world_size == 1 or not dist.is_initialized():
+            return local
+        extremes = torch.tensor([local, -local], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        longest, shortest = int(extremes[0]), -int(extremes[1])
+        if longest != shortest and (shortest == 0 or not self._pad_uneven_ranks):
+            raise ValueError(
+                f"token_mean: the ranks' training loaders have between {shortest} and {longest} batches (this rank:"
+                f" {local}). "
+                + (
+                    "A rank without any batch cannot take part in DDP's backward: give every rank at least one batch."
+                    if shortest == 0
+                    else "With `pad_uneven_ranks=False` every rank needs the same number: set `pad_uneven_ranks=True`"
+                    " to let exhausted ranks contribute zero-weight batches, or balance the shards."
+                )
+            )
+        return longest
+
+    def _on_iter(self, iterator: TrainIterator) -> None:
         # a new epoch (or a resumed one): windows restart with the loader
         self._iterator = iterator
         self._window = None
 
-    def _read_count(self, batch: Any) -> tuple[float, int | None, str]:
+    def _read_count(self, batch: Any) -> Count:
         """Count one batch as the loader yields it: (count, problem, detail). Never raises, see `_PROBLEMS`."""
         try:
             value = self.count_fn(batch)
@@ -291,6 +312,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
         position = epoch_loop.batch_progress.current.ready - 1
         # Lightning's own stepping rule: K reached, or the last batch of the epoch
         steps_now = not epoch_loop._should_accumulate()
+        count: float | Tensor = 0.0
         if self._mode == "lookahead":
             count = self._lookahead_count(trainer, position, steps_now)
         output = super().training_step(*args, **kwargs)
@@ -299,8 +321,12 @@ class TokenMeanDDPStrategy(DDPStrategy):
         loss, output = self._loss_of(output)
         if self._mode == "deferred":
             window = self._deferred_begin(position)
-            count = self._deferred_count(args[0] if args else kwargs.get("batch"), output)
+            entry = self._iterator.pop() if self._iterator is not None else None
+            filler = entry is not None and entry.filler
+            count = self._deferred_count(args[0] if args else kwargs.get("batch"), output, filler)
         assert window is not None
+        if self._mode == "lookahead" and isinstance(output, Mapping) and output.get("num_items") is not None:
+            self._check_num_items(window, output["num_items"], count)
         self._add_loss(window, loss, count)
         window.trained += 1
         if steps_now:
@@ -338,12 +364,25 @@ class TokenMeanDDPStrategy(DDPStrategy):
                 " Trainer settings."
             )
         assert self._iterator is not None
-        count, _, _ = self._iterator.pop_count()
+        entry = self._iterator.pop()
+        assert entry is not None
+        count = entry.count[0]
         scale = count * trainer.accumulate_grad_batches * window.grad_factor
         if self._loss_reduction == "sum":
             scale = trainer.accumulate_grad_batches * window.grad_factor
         self._micro_batch_scale = (scale, count > 0)
         return count
+
+    def _check_num_items(self, window: _Window, num_items: Any, count: float | Tensor) -> None:
+        """A model that reports 'num_items' must agree with the count the lookahead already normalized by."""
+        assert window.flags is not None
+        value, problem, detail = self._as_count_tensor(num_items, "'num_items'")
+        if problem is not None:
+            window.flags[problem] = 1.0
+            window.problem_detail = window.problem_detail or detail
+            return
+        mismatch = (value != torch.as_tensor(count, dtype=torch.float64, device=value.device)).double()
+        window.flags[_COUNT_MISMATCH] = torch.maximum(window.flags[_COUNT_MISMATCH], mismatch)
 
     def _lookahead_begin(self, trainer: pl.Trainer, position: int) -> _Window:
         if self._iterator is None:
@@ -356,10 +395,11 @@ class TokenMeanDDPStrategy(DDPStrategy):
         length = accumulate - position % accumulate
         if math.isfinite(trainer.num_training_batches):
             length = min(length, int(trainer.num_training_batches) - position)
-        entries = self._iterator.peek_counts(length)
+        entries = self._iterator.peek(length)
         window = _Window(start=position, length=len(entries))
         flags = [0.0] * len(_PROBLEMS)
-        for count, problem, detail in entries:
+        for entry in entries:
+            count, problem, detail = entry.count
             window.local_counts.append(count)
             if problem is not None:
                 flags[problem] = 1.0
@@ -390,19 +430,21 @@ class TokenMeanDDPStrategy(DDPStrategy):
         self._window = window
         return window
 
-    def _deferred_count(self, batch: Any, output: STEP_OUTPUT) -> Tensor:
+    def _deferred_count(self, batch: Any, output: STEP_OUTPUT, filler: bool) -> Tensor:
         window = self._window
         assert window is not None and window.flags is not None and window.count is not None
         num_items = output.get("num_items") if isinstance(output, Mapping) else None
         count: Tensor | None = None
         from_fn: Tensor | None = None
-        if self._count_fn is not None or num_items is None:
+        if filler:  # a repeated batch of an exhausted rank: weight zero, whatever it holds
+            count = self._zero()
+        elif self._count_fn is not None or num_items is None:
             value, problem, detail = self._read_count_tensor(batch)
             if problem is not None:
                 window.flags[problem] = 1.0
                 window.problem_detail = window.problem_detail or detail
             from_fn = value
-        if num_items is not None:
+        if num_items is not None and not filler:
             value, problem, detail = self._as_count_tensor(num_items, "'num_items'")
             if problem is not None:
                 window.flags[problem] = 1.0
@@ -412,9 +454,10 @@ class TokenMeanDDPStrategy(DDPStrategy):
                 window.flags[_COUNT_MISMATCH] = torch.maximum(
                     window.flags[_COUNT_MISMATCH], (from_fn != count).double()
                 )
-        else:
+        elif not filler:
             assert from_fn is not None
             count = from_fn
+        assert count is not None
         # negative / non-finite counts are flagged on the device: no host sync per micro-batch
         window.flags[_COUNT_NEGATIVE] = torch.maximum(window.flags[_COUNT_NEGATIVE], (count < 0).double())
         window.flags[_COUNT_NONFINITE] = torch.maximum(
@@ -534,13 +577,14 @@ class TokenMeanDDPStrategy(DDPStrategy):
             messages.append(f"{what} ({lengths} micro-batches). Fix: {fix}")
         if not messages:
             return
-        detail = f" (on this rank: {window.problem_detail})" if window.problem_detail else ""
-        raise DenominatorError(
+        last = window.start + max(window.length, window.trained) - 1
+        error = DenominatorError(
             f"token_mean: cannot normalize the accumulation window of optimizer step {trainer.global_step + 1}"
-            f" (epoch {trainer.current_epoch}, batches {window.start}..{window.start + window.trained}):\n  "
-            + "\n  ".join(messages)
-            + detail
+            f" (epoch {trainer.current_epoch}, batches {window.start}..{last}):\n  " + "\n  ".join(messages)
         )
+        if window.problem_detail:  # a note, so that the message itself is the same on every rank
+            error.add_note(f"On rank {self.global_rank}: {window.problem_detail}")
+        raise error
 
     # ------------------------------------------------------------------------------------------------------------
     # backward and step

@@ -9,9 +9,9 @@ from pathlib import Path
 import lightning.pytorch as pl
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from _harness import Recorder, TokenModule, ragged_batches  # noqa: E402
+from _harness import Recorder, TokenModule, ragged_batches
 
-import token_mean  # noqa: E402, F401  (registers "ddp_token_mean")
+import token_mean  # noqa: F401  (registers "ddp_token_mean")
 
 if __name__ == "__main__":
     out = Path(sys.argv[1])

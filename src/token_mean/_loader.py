@@ -1,0 +1,143 @@
+"""The training loader as the strategy sees it: read ahead by one window, and padded so every rank runs as long."""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+Count = tuple[float, "int | None", str]  # (count, problem, detail): see strategy._read_count
+ZERO: Count = (0.0, None, "")
+
+
+@dataclass(frozen=True)
+class Entry:
+    """A batch handed to Lightning whose ``training_step`` has not run yet."""
+
+    count: Count  # lookahead: counted when read; deferred: ZERO (counted after forward)
+    filler: bool  # a repeated batch at weight zero, so an exhausted rank still joins DDP's backward
+
+
+class TrainLoader:
+    """Wraps the training loader; everything but iteration and length is handed through to it.
+
+    ``sampler`` (Lightning calls ``sampler.set_epoch``), ``dataset`` and every other attribute come from the wrapped
+    loader. ``len()`` is the longest rank's length when ranks differ (see :class:`TrainIterator`).
+    :class:`StatefulTrainLoader` adds ``state_dict``/``load_state_dict`` only where the wrapped loader has them,
+    because Lightning decides whether it can resume mid-epoch by looking for those methods.
+    """
+
+    def __init__(
+        self,
+        loader: Any,
+        count: Callable[[Any], Count] | None,
+        on_iter: Callable[[TrainIterator], None],
+        length: int | None,
+    ) -> None:
+        self.loader = loader
+        self._count = count
+        self._on_iter = on_iter
+        self._length = length
+
+    def __iter__(self) -> TrainIterator:
+        iterator = TrainIterator(iter(self.loader), self._count, self._length)
+        self._on_iter(iterator)
+        return iterator
+
+    def __len__(self) -> int:
+        # a TypeError for loaders without __len__ is what Lightning's `sized_len` expects
+        return self._length if self._length is not None else len(self.loader)
+
+    def __getattr__(self, name: str) -> Any:
+        # only called for names this wrapper does not define itself
+        if name in ("loader", "_count", "_on_iter", "_length"):
+            raise AttributeError(name)
+        return getattr(self.loader, name)
+
+
+class StatefulTrainLoader(TrainLoader):
+    """A :class:`TrainLoader` over a loader that can save and restore its position."""
+
+    def state_dict(self) -> dict[str, Any]:
+        # Checkpoints are written between windows, when nothing is held ahead, so the wrapped loader's own state
+        # is the position Lightning has consumed.
+        return self.loader.state_dict()  # type: ignore[no-any-return]
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self.loader.load_state_dict(state_dict)
+
+
+def wrap_loader(
+    loader: Any,
+    count: Callable[[Any], Count] | None,
+    on_iter: Callable[[TrainIterator], None],
+    length: int | None,
+) -> TrainLoader:
+    stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
+    cls = StatefulTrainLoader if stateful else TrainLoader
+    return cls(loader, count, on_iter, length)
+
+
+class TrainIterator(Iterator[Any]):
+    """Yields the loader's batches in order, then zero-weight fillers up to ``length``; can read ahead.
+
+    Every batch read gets an :class:`Entry` in a FIFO of batches handed out but not yet trained on; the strategy pops
+    it once per ``training_step`` and, in lookahead mode, peeks at the FIFO to learn a whole window's counts. Counts
+    are taken at read time, on the host side of the loader, before Lightning moves the batch to the device.
+    """
+
+    def __init__(self, iterator: Iterator[Any], count: Callable[[Any], Count] | None, length: int | None) -> None:
+        self._iterator = iterator
+        self._count = count
+        self._length = length
+        self._ahead: deque[Any] = deque()  # read from the loader, not yet handed to Lightning
+        self._entries: deque[Entry] = deque()
+        self._read_batches = 0
+        self._exhausted = False
+        self._last_real: Any = None
+
+    def __next__(self) -> Any:
+        if self._ahead:
+            return self._ahead.popleft()
+        return self._read()
+
+    def _read(self) -> Any:
+        if self._length is not None and self._read_batches >= self._length:
+            raise StopIteration
+        filler = False
+        if not self._exhausted:
+            try:
+                batch = next(self._iterator)
+            except StopIteration:
+                self._exhausted = True
+        if self._exhausted:
+            if self._length is None or self._last_real is None:
+                raise StopIteration
+            # this rank ran out before the others: repeat a real batch at weight zero so DDP's backward still fires
+            batch, filler = self._last_real, True
+        else:
+            self._last_real = batch
+        self._read_batches += 1
+        if batch is not None:  # Lightning runs no training_step for a None batch
+            count = ZERO if filler or self._count is None else self._count(batch)
+            self._entries.append(Entry(count, filler))
+        return batch
+
+    def peek(self, length: int) -> list[Entry]:
+        """The entries of the next ``length`` batches to train on, reading ahead as needed (fewer at the end)."""
+        while len(self._entries) < length:
+            try:
+                self._ahead.append(self._read())
+            except StopIteration:
+                break
+        return list(self._entries)[:length]
+
+    def pop(self) -> Entry | None:
+        """The entry of the batch whose ``training_step`` runs now (None if batches bypassed this iterator)."""
+        return self._entries.popleft() if self._entries else None
+
+    @property
+    def held(self) -> int:
+        """Batches read ahead of Lightning (at most K − 1 between two windows)."""
+        return len(self._ahead)

@@ -1,0 +1,252 @@
+"""Participation and bad input: exhausted ranks, exact sharding, and errors that every rank raises together.
+
+Each bad-input test has its own timeout: a rank left waiting in a collective would show up as a failure, not a
+frozen suite.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _harness import (
+    Batch,
+    TokenModule,
+    constant,
+    fit,
+    make_batch,
+    ragged_batches,
+    reference,
+    relative_error,
+    token_loss,
+)
+from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
+
+from token_mean import DenominatorError, ExactDistributedSampler, TokenMeanDDPStrategy
+
+EXACT = 1e-12
+MODES = ("lookahead", "deferred")
+FORK = {"start_method": "fork", "process_group_backend": "gloo"}
+
+
+class RecordingStrategy(TokenMeanDDPStrategy):
+    """Each rank writes the error it raised, to show that every rank raised and with which message."""
+
+    def __init__(self, path: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs, **FORK)
+        self.path = path
+
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().training_step(*args, **kwargs)
+        except DenominatorError as error:
+            (self.path / f"error-{self.global_rank}.txt").write_text(str(error))
+            # the launcher stops the other workers as soon as one exits: wait until every rank has written its
+            # error. If only one rank raised, this times out and the test fails, as it should.
+            torch.distributed.monitored_barrier(timeout=timedelta(seconds=20))
+            raise
+
+
+def errors_of(path: Path) -> list[str]:
+    return [(path / f"error-{rank}.txt").read_text() for rank in range(2)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exhausted ranks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_uneven_ranks_match_reference_on_real_items(tmp_path: Path, mode: str) -> None:
+    """Rank 1 runs out after 4 of rank 0's 7 batches; it joins the remaining windows at weight zero."""
+    data = ragged_batches(2, 7, seed=21)
+    data[1] = data[1][:4]
+    strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
+    params, windows = fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=3, max_epochs=2)
+    expected, counts = reference(data, constant(3), epochs=2)
+    assert relative_error(params, expected) < EXACT
+    assert [w["global_count"] for w in windows] == counts
+    assert windows[2]["rank_counts"][1] == 0.0  # the third window (batch 6) is all filler on rank 1
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_uneven_ranks_error_when_padding_is_off(tmp_path: Path) -> None:
+    data = ragged_batches(2, 5, seed=22)
+    data[1] = data[1][:3]
+    strategy = TokenMeanDDPStrategy(pad_uneven_ranks=False, **FORK)
+    with pytest.raises(Exception, match=r"between 3 and 5 batches[\s\S]*set `pad_uneven_ranks=True`"):
+        fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# exact sharding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def items(count: int, seed: int = 23) -> list[Batch]:
+    generator = torch.Generator().manual_seed(seed)
+    batches = [make_batch(generator, 1, 4, keep=0.95 - 0.08 * i) for i in range(count)]
+    return [{key: value[0] for key, value in batch.items()} for batch in batches]
+
+
+class ShardedModule(TokenModule):
+    def __init__(self, dataset: list[Batch], exact: bool) -> None:
+        super().__init__([[]])
+        self.dataset = dataset
+        self.exact = exact
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        sampler_cls = ExactDistributedSampler if self.exact else DistributedSampler
+        sampler = sampler_cls(self.dataset, num_replicas=2, rank=self.global_rank, shuffle=False)
+        return DataLoader(self.dataset, batch_size=2, sampler=sampler)  # type: ignore[arg-type]
+
+
+def shard(dataset: list[Batch], rank: int, padded: bool) -> list[Batch]:
+    """The micro-batches rank `rank` sees: every P-th item, in batches of two."""
+    order = list(range(len(dataset)))
+    if padded:  # DistributedSampler's way of evening out: repeat items from the start
+        order += order[: (-len(order)) % 2]
+    mine = [dataset[i] for i in order[rank::2]]
+    return [
+        {key: torch.stack([item[key] for item in mine[start : start + 2]]) for key in mine[0]}
+        for start in range(0, len(mine), 2)
+    ]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_exact_sampler_keeps_the_objective(tmp_path: Path, mode: str) -> None:
+    dataset = items(9)
+    unique = [shard(dataset, rank, padded=False) for rank in range(2)]  # 3 and 2 batches
+    expected, _ = reference(unique, constant(2))
+    strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
+    params, _ = fit(ShardedModule(dataset, exact=True), strategy, tmp_path / "exact", accumulate_grad_batches=2)
+    assert relative_error(params, expected) < EXACT
+    # DistributedSampler repeats item 0 on rank 1: the same strategy then optimizes another objective
+    strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
+    padded, _ = fit(ShardedModule(dataset, exact=False), strategy, tmp_path / "padded", accumulate_grad_batches=2)
+    assert relative_error(padded, expected) > 1e-6
+    repeated, _ = reference([shard(dataset, rank, padded=True) for rank in range(2)], constant(2))
+    assert relative_error(padded, repeated) < EXACT
+
+
+def test_exact_sampler_splits_without_repeating() -> None:
+    shards = [list(ExactDistributedSampler(range(10), num_replicas=3, rank=r, seed=5)) for r in range(3)]
+    assert sorted(index for shard_ in shards for index in shard_) == list(range(10))
+    assert [len(ExactDistributedSampler(range(10), num_replicas=3, rank=r)) for r in range(3)] == [4, 3, 3]
+    sampler = ExactDistributedSampler(range(10), num_replicas=2, rank=0, seed=5)
+    first = list(sampler)
+    sampler.set_epoch(1)
+    assert list(sampler) != first
+    with pytest.raises(ValueError, match=r"`rank` must be in \[0, 2\)"):
+        ExactDistributedSampler(range(4), num_replicas=2, rank=2)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# bad input on one rank: every rank raises the same error, none hangs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def on_rank_one(value: Any, otherwise: Any) -> Any:
+    import torch.distributed as dist
+
+    return value if dist.get_rank() == 1 else otherwise
+
+
+BAD_COUNTS = [
+    ("negative", lambda b: on_rank_one(-3, (b["labels"] != -100).sum()), "rank 1: `count_fn` returned a negative"),
+    ("nan", lambda b: on_rank_one(float("nan"), (b["labels"] != -100).sum()), "rank 1: `count_fn` returned a NaN"),
+    ("inf", lambda b: on_rank_one(torch.tensor(float("inf")), 3), "rank 1: `count_fn` returned a NaN or infinite"),
+    ("type", lambda b: on_rank_one("12", (b["labels"] != -100).sum()), "rank 1: `count_fn` failed"),
+    ("shape", lambda b: on_rank_one(b["labels"] != -100, (b["labels"] != -100).sum()), "rank 1: `count_fn` failed"),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "count_fn", "match"), BAD_COUNTS, ids=[case[0] for case in BAD_COUNTS])
+def test_bad_count_raises_on_every_rank(tmp_path: Path, mode: str, name: str, count_fn: Any, match: str) -> None:
+    strategy = RecordingStrategy(tmp_path, mode=mode, count_fn=count_fn)
+    with pytest.raises(Exception, match="DenominatorError"):
+        fit(TokenModule(ragged_batches(2, 4)), strategy, tmp_path, accumulate_grad_batches=2)
+    first, second = errors_of(tmp_path)
+    assert first == second, "the ranks raised different errors"
+    assert match in first and "optimizer step 1" in first and "Fix:" in first
+
+
+def no_loss_on_rank_one(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+    return on_rank_one({"logits": loss.detach()}, loss)
+
+
+def nan_loss_on_rank_one(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+    return on_rank_one(loss * float("nan"), loss)
+
+
+def none_on_rank_one(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+    return on_rank_one(None, loss)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(
+    ("output_fn", "match"),
+    [
+        (no_loss_on_rank_one, "rank 1: `training_step` returned no loss"),
+        (none_on_rank_one, "rank 1: `training_step` returned no loss"),
+        (nan_loss_on_rank_one, "rank 1: the loss of a micro-batch with valid items is NaN"),
+    ],
+)
+def test_bad_loss_raises_on_every_rank(tmp_path: Path, mode: str, output_fn: Any, match: str) -> None:
+    strategy = RecordingStrategy(tmp_path, mode=mode)
+    with pytest.raises(Exception, match="DenominatorError"):
+        fit(TokenModule(ragged_batches(2, 4), output_fn=output_fn), strategy, tmp_path, accumulate_grad_batches=2)
+    first, second = errors_of(tmp_path)
+    assert first == second
+    assert match in first
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# counts decided inside the model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def drop_even_classes(batch: Batch) -> Batch:
+    """The model's own masking rule: targets of even class are not part of the objective."""
+    labels = batch["labels"]
+    return {"x": batch["x"], "labels": labels.masked_fill((labels % 2 == 0) & (labels != -100), -100)}
+
+
+def masks_in_forward(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+    masked = drop_even_classes(batch)
+    num_items = (masked["labels"] != -100).sum()
+    return {"loss": token_loss(module.net, masked), "num_items": num_items}
+
+
+@pytest.mark.distributed
+def test_deferred_counts_from_num_items(tmp_path: Path) -> None:
+    data = ragged_batches(2, 7, seed=24)
+    strategy = TokenMeanDDPStrategy(mode="deferred", **FORK)
+    params, windows = fit(TokenModule(data, output_fn=masks_in_forward), strategy, tmp_path, accumulate_grad_batches=3)
+    expected, counts = reference(data, constant(3), mask=drop_even_classes)
+    assert relative_error(params, expected) < EXACT
+    assert [w["global_count"] for w in windows] == counts
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize(
+    ("mode", "count_fn"), [("deferred", lambda b: (b["labels"] != -100).sum()), ("lookahead", None)]
+)
+def test_count_fn_and_num_items_must_agree(tmp_path: Path, mode: str, count_fn: Any) -> None:
+    """Two definitions of the denominator that disagree are exactly the bug this package exists to catch."""
+    strategy = TokenMeanDDPStrategy(mode=mode, count_fn=count_fn, **FORK)  # type: ignore[arg-type]
+    with pytest.raises(Exception, match="disagree"):
+        fit(TokenModule(ragged_batches(2, 4, seed=25), output_fn=masks_in_forward), strategy, tmp_path)
