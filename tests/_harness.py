@@ -191,6 +191,7 @@ def reference(
     limit: int | None = None,
     max_steps: int | None = None,
     clip_norm: float | None = None,
+    clip_value: float | None = None,
     mask: Callable[[Batch], Batch] | None = None,
 ) -> tuple[dict[str, Tensor], list[float]]:
     """The unpartitioned objective: per optimizer step, the mean loss over every valid token of every rank.
@@ -220,6 +221,8 @@ def reference(
             loss.backward()
             if clip_norm is not None:
                 torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
+            if clip_value is not None:
+                torch.nn.utils.clip_grad_value_(net.parameters(), clip_value)
             optimizer.step()
     return {k: v.detach() for k, v in net.state_dict().items()}, counts
 
