@@ -62,12 +62,14 @@ def errors_of(path: Path) -> list[str]:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
-def test_uneven_ranks_match_reference_on_real_items(tmp_path: Path, mode: str) -> None:
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_uneven_ranks_match_reference_on_real_items(tmp_path: Path, mode: str, iterable: bool) -> None:
     """Rank 1 runs out after 4 of rank 0's 7 batches; it joins the remaining windows at weight zero."""
     data = ragged_batches(2, 7, seed=21)
     data[1] = data[1][:4]
     strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
-    params, windows = fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=3, max_epochs=2)
+    module = TokenModule(data, iterable=iterable)
+    params, windows = fit(module, strategy, tmp_path, accumulate_grad_batches=3, max_epochs=2)
     expected, counts = reference(data, constant(3), epochs=2)
     assert relative_error(params, expected) < EXACT
     assert [w["global_count"] for w in windows] == counts
@@ -250,3 +252,13 @@ def test_count_fn_and_num_items_must_agree(tmp_path: Path, mode: str, count_fn: 
     strategy = TokenMeanDDPStrategy(mode=mode, count_fn=count_fn, **FORK)  # type: ignore[arg-type]
     with pytest.raises(Exception, match="disagree"):
         fit(TokenModule(ragged_batches(2, 4, seed=25), output_fn=masks_in_forward), strategy, tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_rank_without_any_batch_is_an_error_everywhere(tmp_path: Path) -> None:
+    data = ragged_batches(2, 3, seed=26)
+    data[1] = []
+    strategy = TokenMeanDDPStrategy(**FORK)
+    with pytest.raises(Exception, match="yielded no batch at all"):
+        fit(TokenModule(data, iterable=True), strategy, tmp_path, accumulate_grad_batches=2)

@@ -9,6 +9,8 @@ from typing import Any
 
 Count = tuple[float, "int | None", str]  # (count, problem, detail): see strategy._read_count
 ZERO: Count = (0.0, None, "")
+# (this rank has a real batch, this rank has none to repeat) -> the same two flags OR-ed over all ranks
+Agree = Callable[[bool, bool], tuple[bool, bool]]
 
 
 @dataclass(frozen=True)
@@ -34,14 +36,16 @@ class TrainLoader:
         count: Callable[[Any], Count] | None,
         on_iter: Callable[[TrainIterator], None],
         length: int | None,
+        agree: Agree | None = None,
     ) -> None:
         self.loader = loader
         self._count = count
         self._on_iter = on_iter
         self._length = length
+        self._agree = agree
 
     def __iter__(self) -> TrainIterator:
-        iterator = TrainIterator(iter(self.loader), self._count, self._length)
+        iterator = TrainIterator(iter(self.loader), self._count, self._length, self._agree)
         self._on_iter(iterator)
         return iterator
 
@@ -51,7 +55,7 @@ class TrainLoader:
 
     def __getattr__(self, name: str) -> Any:
         # only called for names this wrapper does not define itself
-        if name in ("loader", "_count", "_on_iter", "_length"):
+        if name in ("loader", "_count", "_on_iter", "_length", "_agree"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -73,24 +77,37 @@ def wrap_loader(
     count: Callable[[Any], Count] | None,
     on_iter: Callable[[TrainIterator], None],
     length: int | None,
+    agree: Agree | None = None,
 ) -> TrainLoader:
     stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
     cls = StatefulTrainLoader if stateful else TrainLoader
-    return cls(loader, count, on_iter, length)
+    return cls(loader, count, on_iter, length, agree)
 
 
 class TrainIterator(Iterator[Any]):
-    """Yields the loader's batches in order, then zero-weight fillers up to ``length``; can read ahead.
+    """Yields the loader's batches in order, then zero-weight fillers until every rank is done; can read ahead.
+
+    A sized loader is padded to ``length``, the longest rank's length. An unsized one cannot know when the other
+    ranks run out, so each read asks ``agree`` (a two-flag collective) whether any rank still has a real batch: the
+    epoch ends on all ranks at the same batch.
 
     Every batch read gets an :class:`Entry` in a FIFO of batches handed out but not yet trained on; the strategy pops
     it once per ``training_step`` and, in lookahead mode, peeks at the FIFO to learn a whole window's counts. Counts
     are taken at read time, on the host side of the loader, before Lightning moves the batch to the device.
     """
 
-    def __init__(self, iterator: Iterator[Any], count: Callable[[Any], Count] | None, length: int | None) -> None:
+    def __init__(
+        self,
+        iterator: Iterator[Any],
+        count: Callable[[Any], Count] | None,
+        length: int | None,
+        agree: Agree | None = None,
+    ) -> None:
         self._iterator = iterator
         self._count = count
         self._length = length
+        self._agree = agree if length is None else None
+        self._all_done = False
         self._ahead: deque[Any] = deque()  # read from the loader, not yet handed to Lightning
         self._entries: deque[Entry] = deque()
         self._read_batches = 0
@@ -103,7 +120,7 @@ class TrainIterator(Iterator[Any]):
         return self._read()
 
     def _read(self) -> Any:
-        if self._length is not None and self._read_batches >= self._length:
+        if self._all_done or (self._length is not None and self._read_batches >= self._length):
             raise StopIteration
         filler = False
         if not self._exhausted:
@@ -111,8 +128,18 @@ class TrainIterator(Iterator[Any]):
                 batch = next(self._iterator)
             except StopIteration:
                 self._exhausted = True
+        if self._agree is not None:
+            any_real, any_unfillable = self._agree(not self._exhausted, self._exhausted and self._last_real is None)
+            if not any_real:
+                self._all_done = True
+                raise StopIteration
+            if any_unfillable:
+                raise RuntimeError(
+                    "token_mean: a rank's training loader yielded no batch at all this epoch while others did; it has"
+                    " nothing to take part in DDP's backward with. Give every rank at least one batch."
+                )
         if self._exhausted:
-            if self._length is None or self._last_real is None:
+            if (self._length is None and self._agree is None) or self._last_real is None:
                 raise StopIteration
             # this rank ran out before the others: repeat a real batch at weight zero so DDP's backward still fires
             batch, filler = self._last_real, True

@@ -118,7 +118,9 @@ class TokenMeanDDPStrategy(DDPStrategy):
         pad_uneven_ranks: when the ranks' training loaders have different lengths (per-rank shards, or
             :class:`~token_mean.ExactDistributedSampler`), a rank that runs out repeats its last batch at weight zero
             until the longest rank is done, so all ranks run the same windows and take part in every collective.
-            Costs one collective per epoch. With ``False``, different lengths are an error.
+            Costs one collective per epoch for a sized loader, and a two-flag collective per batch for an unsized one
+            (an ``IterableDataset``), whose end cannot be known ahead. With ``False``, different lengths of sized
+            loaders are an error and unsized loaders must end at the same batch on every rank.
         \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
 
@@ -252,7 +254,20 @@ class TokenMeanDDPStrategy(DDPStrategy):
             return dataloader  # validation, test and predict loaders are used as they are
         length = self._common_length(dataloader)
         count = self._read_count if self._mode == "lookahead" else None
-        return wrap_loader(dataloader, count, self._on_iter, length)
+        distributed = self.world_size > 1 and dist.is_initialized()
+        agree = self._agree if length is None and distributed and self._pad_uneven_ranks else None
+        return wrap_loader(dataloader, count, self._on_iter, length, agree)
+
+    def _agree(self, has_batch: bool, unfillable: bool) -> tuple[bool, bool]:
+        """OR two flags over the ranks: one tiny collective per batch, for unsized loaders only.
+
+        Lightning itself broadcasts a flag every batch under DDP; this costs about as much, and it is what lets ranks
+        whose streams end at different batches finish the epoch together.
+        """
+        flags = torch.tensor([int(has_batch), int(unfillable)], dtype=torch.int64, device=self.root_device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        any_batch, any_unfillable = flags.tolist()
+        return bool(any_batch), bool(any_unfillable)
 
     def _common_length(self, dataloader: object) -> int | None:
         """The longest rank's number of batches (one collective per epoch); None for a loader without a length."""
