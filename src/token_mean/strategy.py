@@ -560,6 +560,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
         )
         if skipped:
             self.skipped_steps += 1
+        if skipped and self.skipped_steps == 1:
             rank_zero_warn(
                 "token_mean: an accumulation window had no valid items on any rank (N = 0); its optimizer step was"
                 " skipped, leaving parameters and optimizer state unchanged. `strategy.skipped_steps` counts them."
