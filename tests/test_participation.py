@@ -13,6 +13,9 @@ from typing import Any
 import pytest
 import torch
 from _harness import (
+    EXACT,
+    FORK,
+    MODES,
     Batch,
     TokenModule,
     constant,
@@ -27,10 +30,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
 from token_mean import DenominatorError, ExactDistributedSampler, TokenMeanDDPStrategy
-
-EXACT = 1e-12
-MODES = ("lookahead", "deferred")
-FORK = {"start_method": "fork", "process_group_backend": "gloo"}
 
 
 class RecordingStrategy(TokenMeanDDPStrategy):

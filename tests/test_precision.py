@@ -9,16 +9,24 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _harness import Batch, TokenModule, constant, fit, make_batch, ragged_batches, reference, relative_error
+from _harness import (
+    EXACT,
+    FORK,
+    MODES,
+    Batch,
+    TokenModule,
+    constant,
+    fit,
+    make_batch,
+    ragged_batches,
+    reference,
+    relative_error,
+)
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
 from torch import Tensor
 
 from token_mean import TokenMeanDDPStrategy
-
-EXACT = 1e-12
-MODES = ("lookahead", "deferred")
-FORK = {"start_method": "fork", "process_group_backend": "gloo"}
 
 
 @pytest.mark.distributed

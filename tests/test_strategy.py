@@ -15,6 +15,9 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _harness import (
+    EXACT,
+    FORK,
+    MODES,
     TokenModule,
     constant,
     empty_like,
@@ -31,10 +34,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from token_mean import DenominatorError, TokenMeanDDPStrategy
-
-EXACT = 1e-12
-MODES = ("lookahead", "deferred")
-FORK = {"start_method": "fork", "process_group_backend": "gloo"}
 
 
 def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
