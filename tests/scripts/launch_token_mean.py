@@ -1,0 +1,131 @@
+"""Train the ragged token-level case on two gloo ranks under any launcher; rank 0 writes OUT_DIR/MODE/params.pt.
+
+The data and the Trainer are fixed (`data()`, `ACCUMULATE`, `EPOCHS`) so that tests can compare with the reference.
+Several modes train one after the other in the same processes (under fork and spawn: in fresh workers, and a mode
+that fails does not stop the next; the script then exits with status 1).
+
+    python tests/scripts/launch_token_mean.py OUT_DIR --mode deferred                        # subprocess launcher
+    python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method spawn
+    torchrun --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
+    torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29400 \\
+        tests/scripts/launch_token_mean.py OUT_DIR --nodes 2        # and the same command with --node_rank=1
+
+A rank that leaves: at batch 1 rank 1 dies (os._exit(1)) or stalls, and rank 0 must fail within the collective
+timeout. The process that sees the failure writes it to OUT_DIR/MODE/error-{rank0,rank1,launcher}.txt with the
+time (under fork and spawn the launcher reports its workers' errors), and rank 1 writes the time it left:
+
+    python tests/scripts/launch_token_mean.py OUT_DIR --rank1 die --timeout 60
+    python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method fork --rank1 stall \\
+        --timeout 5
+
+Under popen and spawn the timeout also bounds the rendezvous, which waits for the child processes to import torch and
+Lightning (3 to 15 s on a busy 2-core machine): a 5 s timeout can fail there, before training starts. Forked workers
+start at once.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _harness import Batch, Recorder, TokenModule, ragged_batches
+
+from token_mean import TokenMeanDDPStrategy
+
+DATA_SEED, BATCHES, ACCUMULATE, EPOCHS = 11, 7, 3, 2
+LEAVE_AT_BATCH = 1  # inside the first window (K = 3): rank 0 next waits in the window's collective
+STALL_SECONDS = 90  # longer than any timeout under test
+
+
+def data() -> list[list[Batch]]:
+    return ragged_batches(2, BATCHES, seed=DATA_SEED)
+
+
+class LeavingRank(TokenModule):
+    """Rank 1 dies or stalls inside `training_step` at `LEAVE_AT_BATCH` of the first epoch."""
+
+    def __init__(self, data: list[list[Batch]], how: str, out: Path) -> None:
+        super().__init__(data)
+        self.how = how
+        self.out = out
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        if self.global_rank == 1 and self.current_epoch == 0 and batch_idx == LEAVE_AT_BATCH:
+            (self.out / "rank1_left.txt").write_text(repr(time.time()))
+            if self.how == "die":
+                os._exit(1)
+            # Lightning's handler only records a SIGTERM; the default lets the launcher end this rank at once
+            # instead of after torch's 30 s grace period, once rank 0 has failed.
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            time.sleep(STALL_SECONDS)
+        return super().training_step(batch, batch_idx)
+
+
+class RunInfo(Callback):
+    """Rank 0 writes how Lightning set the job up: the cluster environment it detected, the world size and nodes."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            environment = getattr(trainer.strategy, "cluster_environment", None)
+            info = {"environment": type(environment).__name__, "world_size": trainer.world_size}
+            (self.out / "run.json").write_text(json.dumps({**info, "num_nodes": trainer.num_nodes}))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("out", type=Path)
+    parser.add_argument("--mode", nargs="+", choices=("lookahead", "deferred"), default=["lookahead"])
+    parser.add_argument("--start-method", choices=("popen", "spawn", "fork"), default="popen", help="not torchrun")
+    parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one process per node (torchrun)")
+    parser.add_argument("--rank1", choices=("die", "stall"), help="make rank 1 leave the job")
+    parser.add_argument("--timeout", type=float, help="seconds a collective may wait (DDP's `timeout`)")
+    args = parser.parse_args()
+    if args.start_method == "fork":
+        torch.set_num_threads(1)  # an OpenMP pool that has run does not survive a fork
+
+    failed = False
+    for mode in args.mode:
+        out: Path = args.out / mode
+        out.mkdir(parents=True, exist_ok=True)
+        kwargs: dict[str, Any] = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
+        strategy = TokenMeanDDPStrategy(
+            mode=mode, start_method=args.start_method, process_group_backend="gloo", **kwargs
+        )
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2 // args.nodes, num_nodes=args.nodes, strategy=strategy,
+            accumulate_grad_batches=ACCUMULATE, max_epochs=EPOCHS, callbacks=[Recorder(out), RunInfo(out)],
+            logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            use_distributed_sampler=False, num_sanity_val_steps=0,
+        )
+        try:
+            trainer.fit(TokenModule(data()) if args.rank1 is None else LeavingRank(data(), args.rank1, out))
+        except BaseException as error:
+            # fork and spawn: this is the launcher, reporting the error of the first worker that failed
+            launcher = args.start_method in ("fork", "spawn")
+            (out / f"error-{'launcher' if launcher else f'rank{trainer.global_rank}'}.txt").write_text(
+                f"{time.time()!r}\n{type(error).__name__}: {error}"
+            )
+            if not launcher or not isinstance(error, Exception):
+                raise  # this process's own process group is broken
+            failed = True  # the next mode trains in fresh workers
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
