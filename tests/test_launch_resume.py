@@ -271,18 +271,13 @@ def test_mid_epoch_resume_without_stateful_loader_misses(
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="the strategy keeps `skipped_steps` (both modes) and `_last_provisional` (deferred) out of checkpoints",
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_restores_strategy_state(tmp_path: Path, mode: str) -> None:
     """A resumed run should be the uninterrupted run: same skipped-step count, bitwise the same parameters.
 
-    Window [2, 3] holds no valid item on any rank, so steps 2 and 6 are skipped. Resumed at step 6, the run counts
-    neither; in deferred mode the first window after the resume also sizes its provisional denominator D afresh,
-    which changes the parameters by a rounding error (within 1e-12, but not bitwise).
+    Window [2, 3] holds no valid item on any rank, so steps 2 and 6 are skipped; resumed at step 6, the run must
+    count both. In deferred mode the provisional denominator D travels with the checkpoint too: sized afresh, it would
+    change the parameters by a rounding error (within 1e-12, but not bitwise).
     """
     empty = [(rank, index) for rank in (0, 1) for index in (2, 3)]
     data = resume_data()
@@ -300,27 +295,14 @@ def test_resume_restores_strategy_state(tmp_path: Path, mode: str) -> None:
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize(
-    "mode",
-    [
-        pytest.param(
-            "lookahead",
-            marks=pytest.mark.xfail(
-                strict=True,
-                raises=AssertionError,
-                reason="StatefulTrainLoader.state_dict() counts the batches read ahead as consumed",
-            ),
-        ),
-        "deferred",
-    ],
-)
+@pytest.mark.parametrize("mode", MODES)
 def test_mid_window_checkpoint_resumes_where_lightning_stopped(tmp_path: Path, mode: str) -> None:
     """A checkpoint inside a window (time- or validation-triggered, or on pre-emption) must hold the loader position
     Lightning had reached.
 
     Lightning saves no partial window's gradient, so such a resume cannot match the uninterrupted run for any
     strategy; but it must go on with the next batch. Saved after batch 3, the first of window [3, 4, 5], the resumed
-    run must train batches 4, 5 and 6. In lookahead mode the loader has already handed out 4 and 5 at that point.
+    run must train batches 4, 5 and 6, although in lookahead mode the loader had already read 4 and 5 ahead.
     """
     data = resume_data()
     checkpoint = tmp_path / "mid-window.ckpt"

@@ -45,7 +45,9 @@ class TrainLoader:
         self._agree = agree
 
     def __iter__(self) -> TrainIterator:
-        iterator = TrainIterator(iter(self.loader), self._count, self._length, self._agree)
+        snapshot = self.loader.state_dict if isinstance(self, StatefulTrainLoader) else None
+        iterator = TrainIterator(iter(self.loader), self._count, self._length, self._agree, snapshot)
+        self._iterator: TrainIterator | None = iterator
         self._on_iter(iterator)
         return iterator
 
@@ -55,7 +57,7 @@ class TrainLoader:
 
     def __getattr__(self, name: str) -> Any:
         # only called for names this wrapper does not define itself
-        if name in ("loader", "_count", "_on_iter", "_length", "_agree"):
+        if name in ("loader", "_count", "_on_iter", "_length", "_agree", "_iterator"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
@@ -64,8 +66,11 @@ class StatefulTrainLoader(TrainLoader):
     """A :class:`TrainLoader` over a loader that can save and restore its position."""
 
     def state_dict(self) -> dict[str, Any]:
-        # Checkpoints are written between windows, when nothing is held ahead, so the wrapped loader's own state
-        # is the position Lightning has consumed.
+        # The wrapped loader's own state counts the batches read ahead as consumed; while some are held, the state
+        # saved when Lightning took its last batch is the position to resume from.
+        iterator: TrainIterator | None = getattr(self, "_iterator", None)
+        if iterator is not None and iterator.consumed_state is not None:
+            return iterator.consumed_state
         return self.loader.state_dict()  # type: ignore[no-any-return]
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -102,13 +107,17 @@ class TrainIterator(Iterator[Any]):
         count: Callable[[Any], Count] | None,
         length: int | None,
         agree: Agree | None = None,
+        snapshot: Callable[[], dict[str, Any]] | None = None,
     ) -> None:
         self._iterator = iterator
         self._count = count
         self._length = length
         self._agree = agree if length is None else None
+        self._snapshot = snapshot  # a stateful loader's state_dict, taken around reads ahead
+        self.consumed_state: dict[str, Any] | None = None  # the loader's state at Lightning's last batch, if held
         self._all_done = False
-        self._ahead: deque[Any] = deque()  # read from the loader, not yet handed to Lightning
+        # read from the loader, not yet handed to Lightning, with the loader's state after each read
+        self._ahead: deque[tuple[Any, dict[str, Any] | None]] = deque()
         self._entries: deque[Entry] = deque()
         self._read_batches = 0
         self._exhausted = False
@@ -116,7 +125,9 @@ class TrainIterator(Iterator[Any]):
 
     def __next__(self) -> Any:
         if self._ahead:
-            return self._ahead.popleft()
+            batch, state = self._ahead.popleft()
+            self.consumed_state = state if self._ahead else None
+            return batch
         return self._read()
 
     def _read(self) -> Any:
@@ -154,10 +165,13 @@ class TrainIterator(Iterator[Any]):
     def peek(self, length: int) -> list[Entry]:
         """The entries of the next ``length`` batches to train on, reading ahead as needed (fewer at the end)."""
         while len(self._entries) < length:
+            if self._snapshot is not None and not self._ahead and self.consumed_state is None:
+                self.consumed_state = self._snapshot()  # what Lightning has taken so far
             try:
-                self._ahead.append(self._read())
+                batch = self._read()
             except StopIteration:
                 break
+            self._ahead.append((batch, self._snapshot() if self._snapshot is not None else None))
         return list(self._entries)[:length]
 
     def pop(self) -> Entry | None:

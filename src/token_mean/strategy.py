@@ -62,6 +62,7 @@ _COUNT_FAILED, _COUNT_NEGATIVE, _COUNT_NONFINITE, _NO_LOSS, _BAD_LOSS, _COUNT_MI
 # record layout exchanged once per window (float64: counts are exact up to 2**53, float32 stops at 2**24)
 _COUNT, _LOSS_SUM, _LENGTH, _FLAGS = 0, 1, 2, 3
 _RECORD_SIZE = _FLAGS + len(_PROBLEMS)
+_CHECKPOINT_KEY = "token_mean"
 
 
 @dataclass
@@ -236,6 +237,24 @@ class TokenMeanDDPStrategy(DDPStrategy):
                     "`TokenMeanDDPStrategy` does not support `torch.optim.LBFGS`: it re-evaluates the closure"
                     " within one step, which would count the window's items again. Use a first-order optimizer."
                 )
+
+    @override
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
+    ) -> None:
+        # Identical on every rank. D only changes rounding, but restoring it keeps a resumed run bitwise identical.
+        checkpoint[_CHECKPOINT_KEY] = {"skipped_steps": self.skipped_steps, "provisional": self._last_provisional}
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        # called on resume only (not for weights-only loading), on every rank
+        super().load_optimizer_state_dict(checkpoint)
+        state = checkpoint.get(_CHECKPOINT_KEY)
+        if state is not None:
+            self.skipped_steps = int(state["skipped_steps"])
+            provisional = state["provisional"]
+            self._last_provisional = None if provisional is None else float(provisional)
 
     @override
     def _register_ddp_hooks(self) -> None:
