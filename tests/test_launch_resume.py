@@ -5,9 +5,6 @@ Issue 7's "Launchers", "Checkpoint and resume" and the timeout of "Bad input". E
 resumed run must end where the uninterrupted one does. The tests can fail: plain DDP misses the launchers' case,
 resuming mid-epoch without a stateful loader misses the reference, and a stalled rank would hang for DDP's default
 30 minutes without the timeout.
-
-The tests marked ``xfail(strict=True)`` pin what the strategy does not yet get right (see each reason); fixed, they
-pass, strict xfail turns that into a failure, and the marker goes.
 """
 
 from __future__ import annotations
@@ -320,19 +317,14 @@ def test_mid_window_checkpoint_resumes_where_lightning_stopped(tmp_path: Path, m
 
 
 @pytest.mark.distributed
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="Lightning checkpoints rank 0's loader state only, and a rank that ran out has no batch left to repeat",
-)
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_after_a_rank_ran_out(tmp_path: Path, mode: str) -> None:
     """Uneven per-rank shards (7 and 5 batches, K = 2), checkpointed after step 3 (window [4, 5]), when rank 1 is
     already repeating a batch at weight zero: the resumed window [6] must again hold rank 0's batch 6 alone.
 
-    Every rank loads rank 0's loader position 6, past rank 1's end: this loader then starts rank 1's shard over and
-    trains its batch 0 at full weight. A loader that stays exhausted instead leaves rank 1 with nothing to repeat, its
-    epoch ends at once and rank 0 waits in the next collective for DDP's timeout (30 minutes by default).
+    Lightning alone would load rank 0's position 6 on every rank, past rank 1's end: this loader would then start
+    rank 1's shard over and train its batch 0 at full weight. The strategy saves each rank's position and whether it
+    had run out, so rank 1 goes on repeating a batch at weight zero.
     """
     data = ragged_batches(2, 7, seed=21, keep=(0.9, 0.6))
     data[1] = data[1][:5]

@@ -36,9 +36,12 @@ def test_hands_through_length_sampler_and_state() -> None:
 
     stateful = wrap_loader(StatefulLoader(dataset, batch_size=1), count, lambda it: None, length=None)
     assert isinstance(stateful, _Stateful)
-    assert stateful.state_dict() == {"position": 3}
-    stateful.load_state_dict({"position": 1})
+    # one entry per rank: Lightning would otherwise restore rank 0's position on every rank
+    assert stateful.state_dict() == {"token_mean_ranks": [{"loader": {"position": 3}, "exhausted": False}]}
+    stateful.load_state_dict({"token_mean_ranks": [{"loader": {"position": 1}, "exhausted": False}]})
     assert stateful.loader.loaded == {"position": 1}
+    stateful.load_state_dict({"position": 2})  # a checkpoint written without the strategy
+    assert stateful.loader.loaded == {"position": 2}
 
 
 def test_unsized_loader_has_no_length() -> None:

@@ -11,6 +11,9 @@ Count = tuple[float, "int | None", str]  # (count, problem, detail): see strateg
 ZERO: Count = (0.0, None, "")
 # (this rank has a real batch, this rank has none to repeat) -> the same two flags OR-ed over all ranks
 Agree = Callable[[bool, bool], tuple[bool, bool]]
+# one picklable object per rank -> every rank's, in rank order (for the loader's per-rank state)
+Gather = Callable[[Any], list[Any]]
+_RANKS_KEY = "token_mean_ranks"
 
 
 @dataclass(frozen=True)
@@ -47,6 +50,9 @@ class TrainLoader:
     def __iter__(self) -> TrainIterator:
         snapshot = self.loader.state_dict if isinstance(self, StatefulTrainLoader) else None
         iterator = TrainIterator(iter(self.loader), self._count, self._length, self._agree, snapshot)
+        if getattr(self, "_resumed_exhausted", False):
+            iterator.resume_exhausted()
+            self._resumed_exhausted = False
         self._iterator: TrainIterator | None = iterator
         self._on_iter(iterator)
         return iterator
@@ -57,24 +63,40 @@ class TrainLoader:
 
     def __getattr__(self, name: str) -> Any:
         # only called for names this wrapper does not define itself
-        if name in ("loader", "_count", "_on_iter", "_length", "_agree", "_iterator"):
+        if name in ("loader", "_count", "_on_iter", "_length", "_agree", "_iterator", "_resumed_exhausted", "_ranks"):
             raise AttributeError(name)
         return getattr(self.loader, name)
 
 
 class StatefulTrainLoader(TrainLoader):
-    """A :class:`TrainLoader` over a loader that can save and restore its position."""
+    """A :class:`TrainLoader` over a loader that can save and restore its position.
+
+    Lightning writes rank 0's loader state into the checkpoint and loads it on every rank. Ranks whose shards differ
+    are at different positions, so the state saved here holds every rank's (one small gather, while the checkpoint
+    is built on every rank), and each rank loads its own.
+    """
+
+    _ranks: tuple[Gather, int] | None = None  # (gather, this rank) when distributed
 
     def state_dict(self) -> dict[str, Any]:
-        # The wrapped loader's own state counts the batches read ahead as consumed; while some are held, the state
-        # saved when Lightning took its last batch is the position to resume from.
         iterator: TrainIterator | None = getattr(self, "_iterator", None)
-        if iterator is not None and iterator.consumed_state is not None:
-            return iterator.consumed_state
-        return self.loader.state_dict()  # type: ignore[no-any-return]
+        local = iterator.state() if iterator is not None else {"loader": self.loader.state_dict(), "exhausted": False}
+        ranks = [local] if self._ranks is None else self._ranks[0](local)
+        return {_RANKS_KEY: ranks}
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        self.loader.load_state_dict(state_dict)
+        if _RANKS_KEY not in state_dict:  # a checkpoint written without the strategy
+            self.loader.load_state_dict(state_dict)
+            return
+        ranks = state_dict[_RANKS_KEY]
+        rank = 0 if self._ranks is None else self._ranks[1]
+        if rank >= len(ranks):
+            raise ValueError(
+                f"token_mean: the checkpoint holds the training loader's position for {len(ranks)} ranks, but this is"
+                f" rank {rank}. Resume mid-epoch with the same number of processes, or from an epoch-end checkpoint."
+            )
+        self.loader.load_state_dict(ranks[rank]["loader"])
+        self._resumed_exhausted = bool(ranks[rank]["exhausted"])
 
 
 def wrap_loader(
@@ -83,10 +105,14 @@ def wrap_loader(
     on_iter: Callable[[TrainIterator], None],
     length: int | None,
     agree: Agree | None = None,
+    ranks: tuple[Gather, int] | None = None,
 ) -> TrainLoader:
     stateful = callable(getattr(loader, "state_dict", None)) and callable(getattr(loader, "load_state_dict", None))
-    cls = StatefulTrainLoader if stateful else TrainLoader
-    return cls(loader, count, on_iter, length, agree)
+    if not stateful:
+        return TrainLoader(loader, count, on_iter, length, agree)
+    wrapped = StatefulTrainLoader(loader, count, on_iter, length, agree)
+    wrapped._ranks = ranks
+    return wrapped
 
 
 class TrainIterator(Iterator[Any]):
@@ -166,13 +192,32 @@ class TrainIterator(Iterator[Any]):
         """The entries of the next ``length`` batches to train on, reading ahead as needed (fewer at the end)."""
         while len(self._entries) < length:
             if self._snapshot is not None and not self._ahead and self.consumed_state is None:
-                self.consumed_state = self._snapshot()  # what Lightning has taken so far
+                self.consumed_state = self._live_state()  # what Lightning has taken so far
             try:
                 batch = self._read()
             except StopIteration:
                 break
-            self._ahead.append((batch, self._snapshot() if self._snapshot is not None else None))
+            self._ahead.append((batch, self._live_state() if self._snapshot is not None else None))
         return list(self._entries)[:length]
+
+    def _live_state(self) -> dict[str, Any]:
+        assert self._snapshot is not None
+        return {"loader": self._snapshot(), "exhausted": self._exhausted}
+
+    def state(self) -> dict[str, Any]:
+        """The position Lightning has consumed: the wrapped loader's own state counts batches read ahead."""
+        return self.consumed_state if self.consumed_state is not None else self._live_state()
+
+    def resume_exhausted(self) -> None:
+        """This rank had run out when the checkpoint was written: it only contributes zero-weight batches.
+
+        The loader, restored at its end, starts over; its first batch serves as the batch to repeat at weight zero.
+        """
+        self._exhausted = True
+        try:
+            self._last_real = next(self._iterator)
+        except StopIteration:
+            self._last_real = None
 
     def pop(self) -> Entry | None:
         """The entry of the batch whose ``training_step`` runs now (None if batches bypassed this iterator)."""

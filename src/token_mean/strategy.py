@@ -275,7 +275,13 @@ class TokenMeanDDPStrategy(DDPStrategy):
         count = self._read_count if self._mode == "lookahead" else None
         distributed = self.world_size > 1 and dist.is_initialized()
         agree = self._agree if length is None and distributed and self._pad_uneven_ranks else None
-        return wrap_loader(dataloader, count, self._on_iter, length, agree)
+        ranks = (self._gather_objects, self.global_rank) if distributed else None
+        return wrap_loader(dataloader, count, self._on_iter, length, agree, ranks)
+
+    def _gather_objects(self, value: Any) -> list[Any]:
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, value)
+        return gathered
 
     def _agree(self, has_batch: bool, unfillable: bool) -> tuple[bool, bool]:
         """OR two flags over the ranks: one tiny collective per batch, for unsized loaders only.
