@@ -363,12 +363,16 @@ def test_dead_rank_fails_the_others(tmp_path: Path, mode: str) -> None:
     torch and Lightning; rank 0 must fail long before it.
     """
     start = time.monotonic()
-    with pytest.raises(subprocess.CalledProcessError, match=r"returned non-zero exit status 1\b"):
+    with pytest.raises(subprocess.CalledProcessError) as failure:
         run_job([script(tmp_path, "--mode", mode, "--rank1", "die", "--timeout", "60")], tmp_path / "logs")
     assert time.monotonic() - start < JOB_TIMEOUT / 2
-    left, failed, error = left_and_failed(tmp_path / mode, "rank0")
-    assert failed - left < SLACK
-    assert re.search(r"RuntimeError: .*(Connection reset by peer|Connection closed by peer)", error), error
+    # Rank 0 fails in its next collective (exit 1), unless Lightning's launcher, which watches its children, kills
+    # the job first (SIGKILL): both end it at once.
+    assert failure.value.returncode in (1, -signal.SIGKILL), failure.value
+    if failure.value.returncode == 1:
+        left, failed, error = left_and_failed(tmp_path / mode, "rank0")
+        assert failed - left < SLACK
+        assert re.search(r"RuntimeError: .*(Connection reset by peer|Connection closed by peer)", error), error
 
 
 @pytest.mark.distributed
