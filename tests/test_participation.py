@@ -40,8 +40,14 @@ class RecordingStrategy(TokenMeanDDPStrategy):
         self.path = path
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._recording(super().training_step, *args, **kwargs)
+
+    def backward(self, *args: Any, **kwargs: Any) -> Any:  # lookahead awaits the window's counts here
+        return self._recording(super().backward, *args, **kwargs)
+
+    def _recording(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
         try:
-            return super().training_step(*args, **kwargs)
+            return hook(*args, **kwargs)
         except DenominatorError as error:
             (self.path / f"error-{self.global_rank}.txt").write_text(str(error))
             # the launcher stops the other workers as soon as one exits: wait until every rank has written its

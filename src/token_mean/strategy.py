@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, overload
 
 import lightning.pytorch as pl
 import torch
@@ -83,6 +83,7 @@ class _Window:
     loss_sum: Tensor | None = None  # running local loss sum, on the device
     flags: Tensor | None = None  # running problem flags, on the device
     problem_detail: str = ""
+    pending_counts: Callable[[], list[list[float]]] | None = None  # lookahead: the counts' gather, in flight
 
 
 class TokenMeanDDPStrategy(DDPStrategy):
@@ -409,10 +410,8 @@ class TokenMeanDDPStrategy(DDPStrategy):
         entry = self._iterator.pop()
         assert entry is not None
         count = entry.count[0]
-        scale = count * trainer.accumulate_grad_batches * window.grad_factor
-        if self._loss_reduction == "sum":
-            scale = trainer.accumulate_grad_batches * window.grad_factor
-        self._micro_batch_scale = (scale, count > 0)
+        # the count for now: `backward` turns it into the scale once the window's N has arrived
+        self._micro_batch_scale = (count, count > 0)
         return count
 
     def _check_num_items(self, window: _Window, num_items: Any, count: float | Tensor) -> None:
@@ -449,15 +448,22 @@ class TokenMeanDDPStrategy(DDPStrategy):
         record = torch.tensor([sum(window.local_counts), 0.0, float(window.length), *flags], dtype=torch.float64).to(
             self.root_device, non_blocking=True
         )
-        rows = self._exchange(record)
-        self._raise_if_problems(trainer, rows, window, check_lengths=True)
-        window.rank_counts = tuple(row[_COUNT] for row in rows)
-        window.global_count = math.fsum(window.rank_counts)
-        # the loss scale that undoes Lightning's 1/K and DDP's 1/P
-        window.grad_factor = self.world_size / window.global_count if window.global_count > 0 else 0.0
+        # in flight during the first micro-batch's forward; awaited before its backward (see `_counts_of`)
+        window.pending_counts = self._exchange(record, wait=False)
         window.loss_sum = torch.zeros((), dtype=torch.float64, device=self.root_device)
         window.flags = torch.zeros(len(_PROBLEMS), dtype=torch.float64, device=self.root_device)
         self._window = window
+        return window
+
+    def _counts_of(self, trainer: pl.Trainer, window: _Window) -> _Window:
+        """Await the window's count gather (lookahead), raising on every rank before any backward that syncs."""
+        if window.pending_counts is not None:
+            rows, window.pending_counts = window.pending_counts(), None
+            self._raise_if_problems(trainer, rows, window, check_lengths=True)
+            window.rank_counts = tuple(row[_COUNT] for row in rows)
+            window.global_count = math.fsum(window.rank_counts)
+            # the loss scale that undoes Lightning's 1/K and DDP's 1/P
+            window.grad_factor = self.world_size / window.global_count if window.global_count > 0 else 0.0
         return window
 
     def _deferred_begin(self, position: int) -> _Window:
@@ -558,6 +564,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
         assert window.loss_sum is not None and window.flags is not None
         window.length = window.trained
         if self._mode == "lookahead":
+            self._counts_of(trainer, window)
             record = torch.cat([torch.stack([self._zero(), window.loss_sum, self._zero()]), window.flags])
         else:
             assert window.count is not None
@@ -593,19 +600,32 @@ class TokenMeanDDPStrategy(DDPStrategy):
                 " skipped, leaving parameters and optimizer state unchanged. `strategy.skipped_steps` counts them."
             )
 
-    def _exchange(self, record: Tensor) -> list[list[float]]:
-        """All-gather one small float64 record per rank.
+    @overload
+    def _exchange(self, record: Tensor) -> list[list[float]]: ...
 
-        Blocking, and read on the host once per window: the problem flags must reach every rank before DDP's backward
-        of the window's last micro-batch, so that every rank raises together instead of one waiting in the gradient
-        all-reduce. The time ranks wait here is their imbalance, which plain DDP pays at that all-reduce instead.
+    @overload
+    def _exchange(self, record: Tensor, wait: Literal[False]) -> Callable[[], list[list[float]]]: ...
+
+    def _exchange(self, record: Tensor, wait: bool = True) -> Any:
+        """All-gather one small float64 record per rank; with ``wait=False``, a function that awaits it.
+
+        Read on the host once awaited: the problem flags must reach every rank before DDP's backward of the window's
+        last micro-batch, so that every rank raises together instead of one waiting in the gradient all-reduce. The
+        time ranks wait here is mostly their imbalance, which plain DDP pays at that all-reduce instead.
         """
         if self.world_size == 1 or not dist.is_available() or not dist.is_initialized():
-            return [record.tolist()]
+            rows = record.view(1, -1)
+            return rows.tolist() if wait else rows.tolist
         # flat output: gloo rejects a (P, R) one
-        rows = torch.empty(self.world_size * record.numel(), dtype=record.dtype, device=record.device)
-        _all_gather_single(rows, record.contiguous())
-        return rows.view(self.world_size, -1).tolist()  # type: ignore[no-any-return]
+        flat = torch.empty(self.world_size * record.numel(), dtype=record.dtype, device=record.device)
+        work = _all_gather_single(flat, record.contiguous(), async_op=not wait)
+
+        def result() -> list[list[float]]:
+            if work is not None:
+                work.wait()
+            return flat.view(self.world_size, -1).tolist()  # type: ignore[no-any-return]
+
+        return result() if wait else result
 
     def _raise_if_problems(
         self, trainer: pl.Trainer, rows: list[list[float]], window: _Window, check_lengths: bool
@@ -640,9 +660,14 @@ class TokenMeanDDPStrategy(DDPStrategy):
         if isinstance(has_items, Tensor):  # deferred: the count lives on the device, so select without a sync
             closure_loss = torch.where(has_items, closure_loss, torch.zeros_like(closure_loss)) * scale
         elif has_items:
-            closure_loss = closure_loss * scale
+            assert self._window is not None
+            trainer = self._trainer()
+            factor = self._counts_of(trainer, self._window).grad_factor * trainer.accumulate_grad_batches
+            closure_loss = closure_loss * (factor * scale if self._loss_reduction == "mean" else factor)
         else:
             # the mean of an empty micro-batch is 0/0 = NaN; its backward must still run for DDP
+            if self._window is not None:
+                self._counts_of(self._trainer(), self._window)  # a bad count raises here, before any synced backward
             closure_loss = torch.nan_to_num(closure_loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         return super().backward(closure_loss, optimizer, *args, **kwargs)
 
