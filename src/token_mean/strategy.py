@@ -63,8 +63,6 @@ _COUNT_FAILED, _COUNT_NEGATIVE, _COUNT_NONFINITE, _NO_LOSS, _BAD_LOSS, _COUNT_MI
 _COUNT, _LOSS_SUM, _LENGTH, _FLAGS = 0, 1, 2, 3
 _RECORD_SIZE = _FLAGS + len(_PROBLEMS)
 _CHECKPOINT_KEY = "token_mean"
-# torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old name
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @dataclass
@@ -618,7 +616,9 @@ class TokenMeanDDPStrategy(DDPStrategy):
             return rows.tolist() if wait else rows.tolist
         # flat output: gloo rejects a (P, R) one
         flat = torch.empty(self.world_size * record.numel(), dtype=record.dtype, device=record.device)
-        work = _all_gather_single(flat, record.contiguous(), async_op=not wait)
+        # torch 2.13 renamed all_gather_into_tensor (now deprecated); older releases only have the old name
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        work = gather(flat, record.contiguous(), async_op=not wait)
 
         def result() -> list[list[float]]:
             if work is not None:
