@@ -21,7 +21,7 @@ class WindowStats:
         window_length: micro-batches in the window (shorter than K for a partial last window).
         loss: the exact global mean loss of the window, Σ loss sums / N; ``None`` when N = 0.
         skipped: True when N = 0 on every rank: the optimizer step was skipped and no state changed.
-        mode: ``"lookahead"`` or ``"deferred"``.
+        mode: ``"lookahead"`` or ``"deferred"`` (the strategy), or ``"measured"`` (``DenominatorMonitor`` without it).
 
     Example:
         >>> stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
