@@ -44,20 +44,30 @@ def count_valid_labels(batch: Any) -> Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
-def as_count(value: int | float | Tensor, argument: str) -> Tensor | float:
-    """Validate the type of one count (not its value: that is checked on every rank at once, in the collective)."""
+def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
+    """Check the type of one count: ``(count, "")``, or ``(None, what is wrong)``.
+
+    Only the type: whether the value is negative or NaN is checked where it is already on the host (lookahead) or
+    flagged on the device (deferred), so that no count costs a host sync of its own.
+    """
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.is_complex():
-            raise TypeError(
-                f"`{argument}` must give one real number per micro-batch, got a tensor of shape"
-                f" {tuple(value.shape)} and dtype {value.dtype}. Return `mask.sum()`, not `mask`."
+            return None, (
+                f"{source} gave a tensor of shape {tuple(value.shape)} and dtype {value.dtype}, not one real number:"
+                " return `mask.sum()`, not `mask`"
             )
-        return value.reshape(())
+        return value.detach().reshape(()), ""
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise TypeError(
-            f"`{argument}` must return an int, a float or a one-element tensor, got {type(value).__name__}: {value!r}."
-        )
-    return float(value)
+        return None, f"{source} gave {type(value).__name__} {value!r}, not an int, a float or a one-element tensor"
+    return float(value), ""
 
 
-__all__ = ["IGNORE_INDEX", "CountFn", "as_count", "count_valid_labels"]
+def as_count(value: Any, argument: str) -> Tensor | float:
+    """:func:`check_count`, raising a ``TypeError`` for a count of the wrong type."""
+    count, problem = check_count(value, f"`{argument}`")
+    if count is None:
+        raise TypeError(problem + ".")
+    return count
+
+
+__all__ = ["IGNORE_INDEX", "CountFn", "as_count", "check_count", "count_valid_labels"]

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal, overload
 
 import lightning.pytorch as pl
@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean._comm_hook import scaled_allreduce_hook
-from token_mean._counting import count_valid_labels
+from token_mean._counting import check_count, count_valid_labels
 from token_mean._errors import DenominatorError
 from token_mean._loader import Count, TrainIterator, wrap_loader
 from token_mean._window import WindowStats
@@ -61,7 +61,6 @@ _PROBLEMS: tuple[tuple[str, str], ...] = (
 _COUNT_FAILED, _COUNT_NEGATIVE, _COUNT_NONFINITE, _NO_LOSS, _BAD_LOSS, _COUNT_MISMATCH, _UNEVEN = range(len(_PROBLEMS))
 # record layout exchanged once per window (float64: counts are exact up to 2**53, float32 stops at 2**24)
 _COUNT, _LOSS_SUM, _LENGTH, _FLAGS = 0, 1, 2, 3
-_RECORD_SIZE = _FLAGS + len(_PROBLEMS)
 _CHECKPOINT_KEY = "token_mean"
 
 
@@ -72,7 +71,6 @@ class _Window:
     start: int  # batch position in the epoch of the first micro-batch
     length: int  # micro-batches
     trained: int = 0
-    local_counts: list[float] = field(default_factory=list)  # lookahead: known before the first backward
     global_count: float = 0.0
     rank_counts: tuple[float, ...] = ()
     grad_factor: float = 0.0  # lookahead: K·P/N for the loss; deferred: D/N for the gradient buckets
@@ -324,18 +322,13 @@ class TokenMeanDDPStrategy(DDPStrategy):
     def _read_count(self, batch: Any) -> Count:
         """Count one batch as the loader yields it: (count, problem, detail). Never raises, see `_PROBLEMS`."""
         try:
-            value = self.count_fn(batch)
+            value, detail = check_count(self.count_fn(batch), "`count_fn`")
         except Exception as error:  # every rank must reach the collective to learn of it
             return 0.0, _COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}"
-        if isinstance(value, Tensor):
-            if value.numel() != 1 or value.is_complex():
-                return 0.0, _COUNT_FAILED, f"`count_fn` returned a tensor of shape {tuple(value.shape)}"
-            # a host-side batch makes this free; a device-side one costs a sync per batch
-            count = float(value.item())
-        elif isinstance(value, (int, float)) and not isinstance(value, bool):
-            count = float(value)
-        else:
-            return 0.0, _COUNT_FAILED, f"`count_fn` returned {type(value).__name__} {value!r}"
+        if value is None:
+            return 0.0, _COUNT_FAILED, detail
+        # a host-side batch makes `.item()` free; a device-side one costs a sync per batch
+        count = float(value.item()) if isinstance(value, Tensor) else value
         if not math.isfinite(count):
             return 0.0, _COUNT_NONFINITE, f"`count_fn` returned {count}"
         if count < 0:
@@ -367,6 +360,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
             count = self._deferred_count(args[0] if args else kwargs.get("batch"), output, filler)
         assert window is not None
         if self._mode == "lookahead" and isinstance(output, Mapping) and output.get("num_items") is not None:
+            assert isinstance(count, float)
             self._check_num_items(window, output["num_items"], count)
         self._add_loss(window, loss, count)
         window.trained += 1
@@ -412,16 +406,11 @@ class TokenMeanDDPStrategy(DDPStrategy):
         self._micro_batch_scale = (count, count > 0)
         return count
 
-    def _check_num_items(self, window: _Window, num_items: Any, count: float | Tensor) -> None:
+    def _check_num_items(self, window: _Window, num_items: Any, count: float) -> None:
         """A model that reports 'num_items' must agree with the count the lookahead already normalized by."""
-        assert window.flags is not None
-        value, problem, detail = self._as_count_tensor(num_items, "'num_items'")
-        if problem is not None:
-            window.flags[problem] = 1.0
-            window.problem_detail = window.problem_detail or detail
-            return
-        mismatch = (value != torch.as_tensor(count, dtype=torch.float64, device=value.device)).double()
-        window.flags[_COUNT_MISMATCH] = torch.maximum(window.flags[_COUNT_MISMATCH], mismatch)
+        value = self._device_count(window, num_items, "'num_items'")
+        if value is not None:
+            self._flag_if(window, _COUNT_MISMATCH, value != count)
 
     def _lookahead_begin(self, trainer: pl.Trainer, position: int) -> _Window:
         if self._iterator is None:
@@ -438,12 +427,12 @@ class TokenMeanDDPStrategy(DDPStrategy):
         window = _Window(start=position, length=len(entries))
         flags = [0.0] * len(_PROBLEMS)
         for entry in entries:
-            count, problem, detail = entry.count
-            window.local_counts.append(count)
+            _, problem, detail = entry.count
             if problem is not None:
                 flags[problem] = 1.0
                 window.problem_detail = window.problem_detail or detail
-        record = torch.tensor([sum(window.local_counts), 0.0, float(window.length), *flags], dtype=torch.float64).to(
+        local_count = math.fsum(entry.count[0] for entry in entries)
+        record = torch.tensor([local_count, 0.0, float(window.length), *flags], dtype=torch.float64).to(
             self.root_device, non_blocking=True
         )
         # in flight during the first micro-batch's forward; awaited before its backward (see `_counts_of`)
@@ -478,37 +467,24 @@ class TokenMeanDDPStrategy(DDPStrategy):
 
     def _deferred_count(self, batch: Any, output: STEP_OUTPUT, filler: bool) -> Tensor:
         window = self._window
-        assert window is not None and window.flags is not None and window.count is not None
-        num_items = output.get("num_items") if isinstance(output, Mapping) else None
-        count: Tensor | None = None
-        from_fn: Tensor | None = None
-        if filler:  # a repeated batch of an exhausted rank: weight zero, whatever it holds
-            count = self._zero()
-        elif self._count_fn is not None or num_items is None:
-            value, problem, detail = self._read_count_tensor(batch)
-            if problem is not None:
-                window.flags[problem] = 1.0
-                window.problem_detail = window.problem_detail or detail
-            from_fn = value
-        if num_items is not None and not filler:
-            value, problem, detail = self._as_count_tensor(num_items, "'num_items'")
-            if problem is not None:
-                window.flags[problem] = 1.0
-                window.problem_detail = window.problem_detail or detail
-            count = value
-            if from_fn is not None:
-                window.flags[_COUNT_MISMATCH] = torch.maximum(
-                    window.flags[_COUNT_MISMATCH], (from_fn != count).double()
-                )
-        elif not filler:
-            assert from_fn is not None
-            count = from_fn
-        assert count is not None
-        # negative / non-finite counts are flagged on the device: no host sync per micro-batch
-        window.flags[_COUNT_NEGATIVE] = torch.maximum(window.flags[_COUNT_NEGATIVE], (count < 0).double())
-        window.flags[_COUNT_NONFINITE] = torch.maximum(
-            window.flags[_COUNT_NONFINITE], (~torch.isfinite(count)).double()
-        )
+        assert window is not None and window.count is not None
+        count = self._zero()  # a repeated batch of an exhausted rank: weight zero, whatever it holds
+        if not filler:
+            num_items = output.get("num_items") if isinstance(output, Mapping) else None
+            reported = None if num_items is None else self._device_count(window, num_items, "'num_items'")
+            from_fn = None
+            if self._count_fn is not None or num_items is None:
+                try:
+                    from_fn = self._device_count(window, self.count_fn(batch), "`count_fn`")
+                except Exception as error:  # every rank must reach the collective to learn of it
+                    self._flag(window, _COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
+            if reported is not None and from_fn is not None:
+                self._flag_if(window, _COUNT_MISMATCH, reported != from_fn)
+            chosen = reported if num_items is not None else from_fn  # 'num_items' takes precedence
+            count = chosen if chosen is not None else count
+        # negative and non-finite counts are flagged on the device: no host sync per micro-batch
+        self._flag_if(window, _COUNT_NEGATIVE, count < 0)
+        self._flag_if(window, _COUNT_NONFINITE, ~torch.isfinite(count))
         has_items = torch.isfinite(count) & (count > 0)
         count = torch.where(has_items, count, torch.zeros_like(count))
         window.count = window.count + count
@@ -516,27 +492,28 @@ class TokenMeanDDPStrategy(DDPStrategy):
         if window.trained == 0:
             window.provisional = self._provisional(count, accumulate)
         # backward on this rank's loss sum over D; Lightning's 1/K is undone here
-        scale = (count if self._loss_reduction == "mean" else torch.ones_like(count)) * (
-            accumulate / window.provisional
-        )
-        self._micro_batch_scale = (scale, has_items)
+        items = count if self._loss_reduction == "mean" else torch.ones_like(count)
+        self._micro_batch_scale = (items * (accumulate / window.provisional), has_items)
         return count
 
-    def _read_count_tensor(self, batch: Any) -> tuple[Tensor, int | None, str]:
-        try:
-            value = self.count_fn(batch)
-        except Exception as error:  # every rank must reach the collective to learn of it
-            return self._zero(), _COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}"
-        return self._as_count_tensor(value, "`count_fn`")
+    def _device_count(self, window: _Window, value: Any, source: str) -> Tensor | None:
+        """One count as a float64 scalar on the device; None (and a flag) when it is not a number."""
+        count, detail = check_count(value, source)
+        if count is None:
+            self._flag(window, _COUNT_FAILED, detail)
+            return None
+        return torch.as_tensor(count, dtype=torch.float64).to(self.root_device, non_blocking=True)
 
-    def _as_count_tensor(self, value: Any, source: str) -> tuple[Tensor, int | None, str]:
-        if isinstance(value, Tensor):
-            if value.numel() != 1 or value.is_complex():
-                return self._zero(), _COUNT_FAILED, f"{source} is a tensor of shape {tuple(value.shape)}"
-            return value.detach().reshape(()).to(self.root_device, torch.float64, non_blocking=True), None, ""
-        if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return torch.tensor(float(value), dtype=torch.float64, device=self.root_device), None, ""
-        return self._zero(), _COUNT_FAILED, f"{source} is {type(value).__name__} {value!r}"
+    def _flag(self, window: _Window, problem: int, detail: str) -> None:
+        assert window.flags is not None
+        window.flags[problem] = 1.0
+        window.problem_detail = window.problem_detail or detail
+
+    @staticmethod
+    def _flag_if(window: _Window, problem: int, condition: Tensor) -> None:
+        """Raise a problem flag on the device, without reading the condition on the host."""
+        assert window.flags is not None
+        window.flags[problem] += condition.to(window.flags.dtype)
 
     def _zero(self) -> Tensor:
         return torch.zeros((), dtype=torch.float64, device=self.root_device)
@@ -547,11 +524,17 @@ class TokenMeanDDPStrategy(DDPStrategy):
             window.flags[_NO_LOSS] = 1.0
             return
         value = loss.detach().to(torch.float64).reshape(())
-        has_items = torch.as_tensor(count, dtype=torch.float64, device=value.device) > 0
-        if self._loss_reduction == "mean":
-            value = value * torch.as_tensor(count, dtype=torch.float64, device=value.device)
-        # a micro-batch without items may hold NaN (0/0): it contributes zero; with items, NaN is an error
-        window.flags[_BAD_LOSS] = torch.maximum(window.flags[_BAD_LOSS], (has_items & ~torch.isfinite(value)).double())
+        # A micro-batch without items may hold NaN (0/0): it contributes zero; with items, NaN is an error.
+        if isinstance(count, float):  # lookahead: the count is on the host, so no copy and no select
+            if count <= 0:
+                return
+            value = value * count if self._loss_reduction == "mean" else value
+            self._flag_if(window, _BAD_LOSS, ~torch.isfinite(value))
+            window.loss_sum = window.loss_sum + value
+            return
+        has_items = count > 0
+        value = value * count if self._loss_reduction == "mean" else value
+        self._flag_if(window, _BAD_LOSS, has_items & ~torch.isfinite(value))
         window.loss_sum = window.loss_sum + torch.where(has_items, value, torch.zeros_like(value))
 
     # ------------------------------------------------------------------------------------------------------------
