@@ -139,11 +139,16 @@ class Recorder(Callback):
         self.windows: list[dict[str, Any]] = []
         self._last: object = None
 
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        track = getattr(trainer.strategy, "track_rank_counts", None)
+        if track is not None:
+            track()
+
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         window = getattr(trainer.strategy, "last_window", None)
         if window is not None and window is not self._last:
             self._last = window
-            self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts)})
+            self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts or ())})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:

@@ -7,7 +7,7 @@ repeating items.
 """
 
 from token_mean._counting import IGNORE_INDEX, count_valid_labels
-from token_mean._errors import DenominatorError
+from token_mean._problems import DenominatorError
 from token_mean._window import WindowStats
 from token_mean.callback import DenominatorMonitor, Divergence, DivergenceError
 from token_mean.metrics import TokenMeanLoss

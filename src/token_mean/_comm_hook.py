@@ -11,15 +11,20 @@ def scaled_allreduce_hook(
     state: Any,
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
-    """SUM-all-reduce the bucket scaled by ``state._window.grad_factor``.
+    """SUM-all-reduce the bucket scaled by the deferred mode's ``gradient_factor()`` (D/N, on the device).
 
-    Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean with no
-    extra pass over the gradients. ``state`` is the strategy; outside a window the hook is DDP's plain mean.
+    Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean. On NCCL
+    the factor rides inside the all-reduce (``PREMUL_SUM``: no pass over the gradients at all); gloo refuses that op,
+    so elsewhere the bucket is scaled in place first. ``state`` is the mode; outside a window the hook is DDP's mean.
     """
-    window = state._window
-    factor = window.grad_factor if window is not None else 1.0 / dist.get_world_size()
-    buffer = bucket.buffer().mul_(factor)
-    work = dist.all_reduce(buffer, async_op=True)
+    factor = state.gradient_factor()
+    buffer = bucket.buffer()
+    if buffer.is_cuda and dist.get_backend() == "nccl" and isinstance(factor, torch.Tensor):
+        op = dist._make_nccl_premul_sum(factor.to(buffer.dtype))  # type: ignore[attr-defined]
+        work = dist.all_reduce(buffer, op=op, async_op=True)
+    else:
+        buffer.mul_(factor)
+        work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda done: done.value()[0])
     return future

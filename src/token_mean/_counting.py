@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor
 
+from token_mean._problems import Problem
+
 IGNORE_INDEX = -100
 """The label PyTorch's ``cross_entropy`` (and Hugging Face) treats as "not a target"."""
 
-CountFn = Callable[[Any], "int | float | Tensor"]
+CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
 
 
 def count_valid_labels(batch: Any) -> Tensor:
@@ -29,6 +33,7 @@ def count_valid_labels(batch: Any) -> Tensor:
         TypeError: if the batch is not a mapping with a ``"labels"`` tensor; the message shows how to pass ``count_fn``.
 
     Example:
+        >>> import torch
         >>> count_valid_labels({"labels": torch.tensor([[5, -100, 7], [-100, -100, 1]])})
         tensor(3)
     """
@@ -44,6 +49,15 @@ def count_valid_labels(batch: Any) -> Tensor:
     return (labels != IGNORE_INDEX).sum()
 
 
+def first_labels(batch: Any) -> Tensor | None:
+    """Valid labels in the first position of each row: by how much counting unshifted labels over-counts a model
+    that shifts them itself (on the device; None for a batch without 2-d ``"labels"``)."""
+    labels = batch.get("labels") if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor) or labels.dim() < 2:
+        return None
+    return (labels[..., 0] != IGNORE_INDEX).sum()
+
+
 def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
     """Check the type of one count: ``(count, "")``, or ``(None, what is wrong)``.
 
@@ -57,9 +71,30 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
                 " return `mask.sum()`, not `mask`"
             )
         return value.detach().reshape(()), ""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    # numbers.Real admits numpy's scalars (numpy.int64 from `.sum()` of an array) as well as int and float
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None, f"{source} gave {type(value).__name__} {value!r}, not an int, a float or a one-element tensor"
     return float(value), ""
+
+
+def read_count(count_fn: CountFn, batch: Any) -> tuple[float, Problem | None, str]:
+    """Count one batch on the host: ``(count, problem, this rank's detail)``; never raises (see ``Problem``).
+
+    Lookahead counts batches as the loader yields them, on the host, so reading the count is free; a count_fn that
+    moves the batch to an accelerator first would pay one sync per batch.
+    """
+    try:
+        value, detail = check_count(count_fn(batch), "`count_fn`")
+    except Exception as error:  # every rank must reach the collective to learn of it
+        return 0.0, Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}"
+    if value is None:
+        return 0.0, Problem.COUNT_FAILED, detail
+    count = float(value.item()) if isinstance(value, Tensor) else value
+    if not math.isfinite(count):
+        return 0.0, Problem.COUNT_NONFINITE, f"`count_fn` returned {count}"
+    if count < 0:
+        return 0.0, Problem.COUNT_NEGATIVE, f"`count_fn` returned {count}"
+    return count, None, ""
 
 
 def as_count(value: Any, argument: str) -> Tensor | float:
@@ -70,4 +105,4 @@ def as_count(value: Any, argument: str) -> Tensor | float:
     return count
 
 
-__all__ = ["IGNORE_INDEX", "CountFn", "as_count", "check_count", "count_valid_labels"]
+__all__ = ["IGNORE_INDEX", "CountFn", "as_count", "check_count", "count_valid_labels", "first_labels", "read_count"]

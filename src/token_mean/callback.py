@@ -227,6 +227,8 @@ class DenominatorMonitor(Callback):
             return
         strategy = trainer.strategy
         self._uses_strategy = hasattr(strategy, "last_window")
+        if self._uses_strategy and hasattr(strategy, "track_rank_counts"):
+            strategy.track_rank_counts()  # the per-rank figures below need every rank's count
         strategy_count_fn = getattr(strategy, "count_fn", None)
         if self._uses_strategy and self._count_fn_arg is not None and self._count_fn_arg is not strategy_count_fn:
             rank_zero_warn(
@@ -498,15 +500,15 @@ def _close(value: float | None, expected: float | None, rtol: float, atol: float
 
 
 def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | None) -> dict[str, float]:
-    counts = window.rank_counts
+    counts = window.rank_counts or (window.global_count,)  # the monitor asks the strategy for rank counts
     metrics = {
         "global_count": window.global_count,
         "rank_count_min": min(counts),
         "rank_count_max": max(counts),
         "rank_count_mean": window.global_count / len(counts),
         "window_length": float(window.window_length),
-        "imbalance": window.imbalance,
-        "naive_weight_error": window.naive_weight_error,
+        "imbalance": window.imbalance or 0.0,
+        "naive_weight_error": window.naive_weight_error or 0.0,
     }
     if window.loss is not None:
         metrics["loss"] = window.loss

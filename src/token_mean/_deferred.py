@@ -1,0 +1,219 @@
+"""Deferred mode: count each micro-batch after its forward, and fix the scale inside DDP's gradient all-reduce.
+
+Each micro-batch back-propagates its loss sum over D, a stand-in for N/P held on the device (the previous window's
+N/P, or the first micro-batch's count times K). When the window's last forward is done, its record [count, loss sum,
+problems] starts its all-reduce; the gradient buckets of the last backward wait for it on the device and are
+multiplied by D/N on their way into DDP's SUM all-reduce, so the gradient is exact with no extra pass over it. The
+record is read on the host once, after the last backward.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from token_mean._counting import check_count, first_labels
+from token_mean._mode import StepOutput, Window, WindowMode
+from token_mean._problems import Problem
+from token_mean._window import (
+    COUNT,
+    COUNTED,
+    FIRST,
+    LOSS_SUM,
+    MICRO,
+    MORE,
+    REPORTED,
+    Reduced,
+    WindowStats,
+    raise_problems,
+    scale_of,
+)
+
+
+class Deferred(WindowMode):
+    name = "deferred"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._provisional: Tensor | None = None  # D on the device; kept across windows (and checkpoints)
+        self._filler = False
+        self._counts: list[Tensor] = []  # per micro-batch, float64 on the device; summed once per window
+        self._losses: list[Tensor] = []
+        self._reported: list[Tensor] = []
+        self._counted: list[Tensor] = []
+        self._first: list[Tensor] = []
+        self._micro_scale: tuple[Tensor, Tensor] | None = None  # (scale, has items) of the micro-batch in flight
+        self._local_count = self._zero()
+        self._factor: Tensor | None = None  # D/N of the window whose last backward runs
+        self._real = 0
+
+    # -------------------------------------------------------------------------------------------------------
+
+    def begin(self, position: int, steps_now: bool, accumulate: int, step: str) -> bool:
+        reader = self.reader
+        assert reader is not None
+        if self.window is None:
+            stop = position + accumulate - position % accumulate
+            if reader.sized:
+                stop = min(stop, reader.length)
+            else:
+                reader.length = stop  # the epoch reaches this window's end; its exchange may extend it
+            self.window = Window(position, stop, accumulate)
+            self._reset_flags()
+            self._counts, self._losses, self._reported, self._counted = [], [], [], []
+            self._first, self._real, self._factor = [], 0, None
+        self._filler = reader.entry(position).filler
+        return self._filler
+
+    def after_forward(self, batch: Any, output: StepOutput, steps_now: bool) -> None:
+        window = self.window
+        assert window is not None
+        window.trained += 1
+        count = self._zero() if self._filler else self._count(batch, output)
+        loss = None if self._filler else output.loss
+        if loss is None and not self._filler:
+            self._flag(Problem.NO_LOSS)
+        self._real += not self._filler
+        # kept detached, one pair per micro-batch, and summed once per window: no host sync, few kernels
+        self._counts.append(count)
+        self._losses.append(self._zero() if loss is None else loss.detach())
+        if self._provisional is None:  # the first window of the run: D from its first micro-batch, on the device
+            self._provisional = torch.clamp(count * window.accumulate, min=1.0)
+        has_items = count > 0
+        items = count if self.settings.loss_reduction == "mean" else has_items.to(count.dtype)
+        self._micro_scale = (items * (window.accumulate / self._provisional), has_items)
+        if steps_now:
+            window.stop = window.start + window.trained
+            self._exchange = self._start_exchange(self._record(window))
+
+    def _zero(self) -> Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self.world.device)
+
+    def _count(self, batch: Any, output: StepOutput) -> Tensor:
+        """This micro-batch's count on the device: 'num_items' if reported, else ``count_fn(batch)``."""
+        reported = None if output.num_items is None else self._device_count(output.num_items, "'num_items'")
+        from_fn = None
+        if self.settings.count_fn_given or output.num_items is None:
+            try:
+                from_fn = self._device_count(self.settings.count_fn(batch), "`count_fn`")
+            except Exception as error:  # every rank must reach the collective to learn of it
+                self._flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
+        if reported is not None and from_fn is not None:
+            self._reported.append(reported)
+            self._counted.append(from_fn)
+            first = first_labels(batch)
+            if first is not None:
+                self._first.append(first)
+        chosen = reported if reported is not None else from_fn  # 'num_items' takes precedence
+        return chosen if chosen is not None else self._zero()
+
+    def _device_count(self, value: Any, source: str) -> Tensor | None:
+        count, detail = check_count(value, source)
+        if count is None:
+            self._flag(Problem.COUNT_FAILED, detail)
+            return None
+        return torch.as_tensor(count, dtype=torch.float64).to(self.world.device, non_blocking=True)
+
+    def _record(self, window: Window) -> Tensor:
+        counts = torch.stack(self._counts)
+        finite = torch.isfinite(counts)
+        valid = torch.where(finite & (counts > 0), counts, torch.zeros_like(counts))
+        self._local_count = valid.sum()
+        losses = torch.stack(self._losses).to(torch.float64)
+        values = losses * valid if self.settings.loss_reduction == "mean" else losses
+        has_items = valid > 0
+        device_scalars = [
+            (COUNT, self._local_count),
+            (LOSS_SUM, torch.where(has_items, values, torch.zeros_like(values)).sum()),
+        ]
+        device_flags = [
+            (Problem.COUNT_NEGATIVE, (counts < 0).any()),
+            (Problem.COUNT_NONFINITE, (~finite).any()),
+            (Problem.BAD_LOSS, (has_items & ~torch.isfinite(values)).any()),
+        ]
+        slots = [(MICRO, float(self._real)), *self._length_slots(window.stop - window.start)]
+        if self._reported:
+            reported, counted = torch.stack(self._reported), torch.stack(self._counted)
+            device_scalars += [(REPORTED, reported.sum()), (COUNTED, counted.sum())]
+            if self._first:
+                device_scalars.append((FIRST, torch.stack(self._first).sum()))
+            device_flags.append((self._mismatch, (reported != counted).any()))
+        reader = self.reader
+        assert reader is not None
+        if not reader.sized:  # does the epoch go on? peek one batch ahead
+            slots.append((MORE, float(reader.has_real_from(window.stop))))
+        return self._record_tensor(slots, [], device_scalars, device_flags)
+
+    @property
+    def _mismatch(self) -> Problem:
+        given = self.settings.count_fn_given
+        return Problem.NUM_ITEMS_MISMATCH_COUNT_FN if given else Problem.NUM_ITEMS_MISMATCH_DEFAULT
+
+    # -------------------------------------------------------------------------------------------------------
+
+    def scale(self, closure_loss: Tensor, aux_loss: Tensor | None) -> Tensor:
+        assert self._micro_scale is not None
+        scale, has_items = self._micro_scale
+        # an empty micro-batch's mean is 0/0 = NaN: select zero on the device instead of reading the count
+        return torch.where(has_items, closure_loss * scale, torch.zeros_like(closure_loss))
+
+    def gradient_factor(self) -> Tensor | float:
+        """D/N for the bucket all-reduce of the window's last backward; waits for the exchange on the device."""
+        if self._factor is None:
+            if self._exchange is None or self._provisional is None:
+                return 1.0 / self.world.size  # outside a window (a user's own backward): DDP's plain mean
+            global_count = self._exchange.wait()[COUNT]
+            ratio = self._provisional / global_count
+            self._factor = torch.where(global_count > 0, ratio, torch.zeros_like(ratio))
+        return self._factor
+
+    def finish(self, step: str) -> tuple[WindowStats, int | None]:
+        window, exchange = self.window, self._exchange
+        assert window is not None and exchange is not None
+        values = exchange.read(extra=self._local_count.reshape(1))
+        reduced, local_count = Reduced(values[:-1]), values[-1]
+        self._exchange, self.window = None, None
+        global_count = reduced[COUNT]
+        where = self._where(step, window)
+        lines = self._problems(reduced, check_lengths=True)
+        assert self._provisional is not None
+        if global_count > 0 and not math.isfinite(scale_of(1.0, global_count) * self.world.size):
+            lines.append(f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}")
+        if not self.settings.pad_uneven_ranks and 0 < reduced[MORE] < self.world.size:
+            lines.append(f"{Problem.UNEVEN.what}: the ranks' unsized loaders ended at different batches."
+                         f" Fix: {Problem.UNEVEN.fix}")
+        raise_problems(lines, where, self._detail, self.world.rank)
+        if global_count > 0:  # the next windows' backward passes use this window's N/P as their D
+            self._provisional = torch.full((), global_count / self.world.size, dtype=torch.float64,
+                                           device=self.world.device)
+        stats = self._skip(
+            WindowStats(
+                global_count=global_count,
+                local_count=local_count,
+                rank_counts=reduced.rank_counts(),
+                window_length=window.stop - window.start,
+                loss=None if global_count == 0 else reduced[LOSS_SUM] / global_count,
+                skipped=global_count == 0,
+                mode=self.name,
+                aux_loss=None,
+            )
+        )
+        new_length = None
+        reader = self.reader
+        assert reader is not None
+        if not reader.sized and reduced[MORE] > 0:
+            new_length = window.stop + window.accumulate
+            reader.length = new_length
+        return stats, new_length
+
+    # checkpointing: D only changes rounding, but restoring it keeps a resumed run bitwise identical
+    def provisional(self) -> float | None:
+        return None if self._provisional is None else float(self._provisional)
+
+    def restore_provisional(self, value: float | None) -> None:
+        if value is not None:
+            self._provisional = torch.full((), value, dtype=torch.float64, device=self.world.device)
+

@@ -1,0 +1,166 @@
+"""Every touch of Lightning's private internals, each with the Lightning (2.6) behaviour it relies on.
+
+A Lightning upgrade has this one file to check. Public hooks live in the strategies; what is here has no public way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import lightning.pytorch as pl
+from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+
+from token_mean._reader import Reader
+
+
+def batch_position(trainer: pl.Trainer) -> tuple[int, bool]:
+    """(position of the batch being trained in its epoch, whether Lightning steps the optimizer after it).
+
+    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``training_step``, and
+    ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the last batch of the epoch).
+    """
+    epoch_loop = trainer.fit_loop.epoch_loop
+    return epoch_loop.batch_progress.current.ready - 1, not epoch_loop._should_accumulate()
+
+
+def epoch_position(trainer: pl.Trainer) -> int:
+    """Batches of this epoch Lightning has already taken: 0 at an epoch's start, more on a mid-epoch resume."""
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready)
+
+
+def uses_dataloader_iter(trainer: pl.Trainer) -> bool:
+    """Relies on: ``training_step(self, dataloader_iter)`` makes the fit loop use ``_DataLoaderIterDataFetcher``."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    module = trainer.lightning_module
+    return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
+
+
+def set_epoch_length(trainer: pl.Trainer, length: int) -> None:
+    """Tell the fetcher where the epoch now ends (unsized loaders, whose end the ranks agree on window by window).
+
+    Relies on: ``_DataFetcher.done`` is ``fetched >= length`` for a loader with a length, the epoch loop copies it
+    into ``batch_progress.is_last_batch`` after each fetch, and the loop ends on ``is_last_batch``. The strategy
+    calls this in ``optimizer_step`` of the window's last batch, before the loop looks at ``is_last_batch`` again.
+    """
+    fetcher = trainer.fit_loop._data_fetcher
+    if fetcher is None:
+        return
+    fetcher.length = length
+    fetcher.done = fetcher.fetched >= length
+    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+
+
+def set_loader_states_to_load(trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
+    """On resume, load this rank's own loader state instead of rank 0's.
+
+    Relies on: ``FitLoop.load_state_dict`` stores the checkpoint's loader states in ``_combined_loader_states_to_load``
+    (rank 0's, on every rank) and ``setup_data`` loads them into the loaders, after the strategy restored its state.
+    """
+    trainer.fit_loop._combined_loader_states_to_load = states
+
+
+def has_loader_states_to_load(trainer: pl.Trainer) -> bool:
+    """Whether the checkpoint being resumed holds loader positions (a mid-epoch checkpoint of stateful loaders)."""
+    return bool(trainer.fit_loop._combined_loader_states_to_load)
+
+
+def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
+    """Make Lightning's epoch ``length`` batches long (None: unsized), as every rank agreed.
+
+    Relies on: ``FitLoop.setup_data`` sets ``max_batches`` (``trainer.num_training_batches``) from ``len()`` of the
+    combined loader and, for a float ``val_check_interval``, ``val_check_batch = max(1, int(max_batches *
+    val_check_interval))`` (``inf`` for an unsized loader with interval 1.0); both drive the stepping rule and
+    validation, so they must agree across ranks.
+    """
+    fit_loop = trainer.fit_loop
+    fit_loop.max_batches = float("inf") if length is None else length
+    interval = trainer.val_check_interval
+    if isinstance(interval, float) and getattr(trainer, "_val_check_time_interval", None) is None:
+        if length is not None:
+            trainer.val_check_batch = max(1, int(length * interval))
+        elif interval == 1.0:
+            trainer.val_check_batch = float("inf")
+
+
+def read_through(
+    trainer: pl.Trainer, on_iter: Callable[[Reader], None], on_setup: Callable[[list[Any], int | None], None]
+) -> None:
+    """Route the fit loop's training batches through a :class:`Reader` from now on, for every (re)loaded loader.
+
+    Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader`` (after ``strategy.process_dataloader`` of each
+    sub-loader), creates ``_data_fetcher`` and calls ``iter()`` on it (which prefetches one batch of an unsized loader);
+    later epochs call ``iter(data_fetcher)`` again; the fetcher reads batches with ``next(combined_loader)`` and sets
+    its ``length`` from ``len(combined_loader)`` on ``iter``. User code's ``trainer.train_dataloader`` is the
+    loaders themselves, so iterating it does not pass through the reader.
+    """
+    fit_loop = trainer.fit_loop
+    if getattr(fit_loop, "_token_mean_read_through", False):
+        return
+    setup_data = fit_loop.setup_data
+
+    def setup_data_through_reader() -> None:
+        setup_data()
+        combined = fit_loop._combined_loader
+        if combined is None or isinstance(combined, _ReadCombinedLoader) or fit_loop._data_fetcher is None:
+            return
+        fetcher = fit_loop._data_fetcher
+        max_batches = fit_loop.max_batches
+        on_setup(combined.flattened, None if max_batches == float("inf") else int(max_batches))
+        prefetched = [*getattr(fetcher, "batches", [])]
+        stateful = bool(CombinedLoader._state_dicts(combined))
+        reader = Reader(
+            lambda: CombinedLoader.__next__(combined),
+            (lambda: CombinedLoader._state_dicts(combined)) if stateful else None,
+            lambda: epoch_position(trainer),
+        )
+        reader.adopt(prefetched)
+        combined.__class__ = _ReadCombinedLoader
+        combined._token_mean_reader = reader  # type: ignore[attr-defined]
+        combined._token_mean_on_iter = on_iter  # type: ignore[attr-defined]
+        combined._token_mean_reuse = True  # type: ignore[attr-defined]
+        iter(fetcher)  # restarts the fetcher on the reader, keeping the loaders' iterators already started
+
+    fit_loop.setup_data = setup_data_through_reader  # type: ignore[method-assign]
+    fit_loop._token_mean_read_through = True  # type: ignore[attr-defined]
+
+
+class _ReadCombinedLoader(CombinedLoader):
+    """Lightning's ``CombinedLoader`` whose batches come through the strategy's :class:`Reader`."""
+
+    _token_mean_reader: Reader
+    _token_mean_on_iter: Callable[[Reader], None]
+    _token_mean_reuse: bool
+
+    def __iter__(self) -> _ReadCombinedLoader:
+        if self._token_mean_reuse:  # installed after Lightning's own iter(): keep its loader iterators
+            self._token_mean_reuse = False
+        else:
+            super().__iter__()
+        self._token_mean_on_iter(self._token_mean_reader)
+        return self
+
+    def __next__(self) -> Any:
+        return self._token_mean_reader.next_item()
+
+    def __len__(self) -> int:
+        return self._token_mean_reader.length
+
+    def _state_dicts(self) -> list[dict[str, Any]]:
+        reader = self._token_mean_reader
+        return reader.consumed_state() if reader.stateful else []  # type: ignore[no-any-return]
+
+
+__all__ = [
+    "_DataLoaderIterDataFetcher",
+    "batch_position",
+    "epoch_position",
+    "has_loader_states_to_load",
+    "read_through",
+    "resize_epoch",
+    "set_epoch_length",
+    "set_loader_states_to_load",
+    "uses_dataloader_iter",
+]

@@ -1,0 +1,239 @@
+"""The interface of a normalization mode, and what both modes share: the ranks, the settings, a step's output.
+
+A mode owns the window being trained and its one exchange. The strategy's hooks call it in this order:
+``start_epoch`` (the fit loop's ``iter``), then per micro-batch ``begin`` → ``after_forward`` → ``scale`` (in
+``backward``), and after the window's last backward ``finish``, which returns the window's :class:`WindowStats` or
+raises the same :class:`DenominatorError` on every rank.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from token_mean._counting import CountFn
+from token_mean._problems import PROBLEMS, Problem
+from token_mean._reader import Reader
+from token_mean._window import (
+    COUNT,
+    LENGTH,
+    LENGTH_SQUARED,
+    MORE,
+    RECORD_SIZE,
+    SLOTS,
+    Exchange,
+    Reduced,
+    WindowStats,
+    build_record,
+    raise_problems,
+)
+
+LossReduction = Literal["mean", "sum"]
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks that share one denominator, and where their collective tensors live."""
+
+    size: int
+    rank: int
+    device: torch.device
+    group: Any | None  # None: the default process group
+    distributed: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The user's choices, checked in the strategy's ``__init__``."""
+
+    count_fn: CountFn
+    count_fn_given: bool  # False: the default count, which changes the advice of a `num_items` mismatch
+    loss_reduction: LossReduction
+    pad_uneven_ranks: bool
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What one ``training_step`` returned, taken apart."""
+
+    loss: Tensor | None  # the token-mean part (None: missing, a problem)
+    aux_loss: Tensor | None
+    num_items: Any  # None when not reported
+    returned: Any  # what Lightning gets back (a stand-in loss where the user's was missing)
+
+    @staticmethod
+    def of(output: Any, stand_in: Callable[[], Tensor]) -> StepOutput:
+        if isinstance(output, Tensor):
+            return StepOutput(output, None, None, output)
+        if isinstance(output, Mapping):
+            loss = output.get("loss")
+            aux = output.get("aux_loss")
+            aux = aux if isinstance(aux, Tensor) else None
+            if isinstance(loss, Tensor):
+                return StepOutput(loss, aux, output.get("num_items"), output)
+            # a stand-in keeps this rank in step until the window's collective, where every rank raises
+            return StepOutput(None, aux, output.get("num_items"), {**output, "loss": stand_in()})
+        return StepOutput(None, None, None, stand_in())
+
+
+@dataclass
+class Window:
+    """The accumulation window being trained on this rank."""
+
+    start: int  # position in the epoch of its first micro-batch
+    stop: int  # one past its last (lookahead: known ahead; deferred: known when Lightning steps)
+    accumulate: int  # K in force for the window
+    trained: int = 0
+
+
+class WindowMode(ABC):
+    """One way of bringing the global count to the gradient. Holds the open window and its exchange."""
+
+    name: str
+
+    def __init__(self, world: World, settings: Settings) -> None:
+        self.world = world
+        self.settings = settings
+        self.track_rank_counts = False
+        self.reader: Reader | None = None
+        self.window: Window | None = None
+        self._flags = [0.0] * len(PROBLEMS)  # host-side problems of the open window
+        self._detail = ""
+        self._exchange: Exchange | None = None
+        self.last_stats: WindowStats | None = None
+        self.skipped_steps = 0
+
+    # -------------------------------------------------------------------------------------------------------
+    # the interface
+    # -------------------------------------------------------------------------------------------------------
+
+    def start_epoch(self, reader: Reader, length: int | None, resumed_exhausted: bool) -> None:
+        """The fit loop starts (or resumes) a pass over the loader; ``length`` None for an unsized loader.
+
+        An unsized epoch costs one blocking collective here, before any batch is fetched: do the ranks have a batch
+        at all? The epoch's end is then agreed window by window, in each window's record.
+        """
+        self.reader = reader
+        self.window = None
+        self._exchange = None
+        reader.counter = self._counter()
+        reader.start_epoch(length, resumed_exhausted)
+        if length is None:
+            has_batch = reader.has_real_from(0)
+            record = self._record_tensor([(MORE, float(has_batch))], problems=[])
+            ranks_with_batches = round(self._reduce(record)[MORE])
+            if 0 < ranks_with_batches < self.world.size:
+                self._flag(Problem.NO_BATCH, "" if has_batch else "its training loader yielded nothing")
+                missing = self.world.size - ranks_with_batches
+                who = f"{missing} rank{'s' if missing > 1 else ''}"
+                lines = [f"{who}: {Problem.NO_BATCH.what}. Fix: {Problem.NO_BATCH.fix}"]
+                raise_problems(lines, "the epoch's first window", self._detail, self.world.rank)
+            if ranks_with_batches == 0:
+                reader.length = 0  # an empty epoch on every rank
+            # otherwise the end stays unknown until the first window's length is (K may change per epoch)
+
+    @abstractmethod
+    def begin(self, position: int, steps_now: bool, accumulate: int, step: str) -> bool:
+        """A micro-batch at ``position`` is about to run its forward; returns whether it is a zero-weight filler.
+
+        ``step`` names the optimizer step in errors ("optimizer step 3 (epoch 0").
+        """
+
+    @abstractmethod
+    def after_forward(self, batch: Any, output: StepOutput, steps_now: bool) -> None:
+        """Book-keeping after the forward; on the window's last micro-batch, start the window's exchange."""
+
+    @abstractmethod
+    def scale(self, closure_loss: Tensor, aux_loss: Tensor | None) -> Tensor:
+        """The tensor to back-propagate instead of Lightning's ``loss / K``."""
+
+    @abstractmethod
+    def finish(self, step: str) -> tuple[WindowStats, int | None]:
+        """After the window's last backward: its stats (or the same error on every rank), and the epoch's new end
+        for an unsized loader (None: unchanged)."""
+
+    def _counter(self) -> Callable[[Any], tuple[float, Problem | None, str]] | None:
+        return None  # deferred counts after forward; lookahead overrides
+
+    # -------------------------------------------------------------------------------------------------------
+    # shared parts
+    # -------------------------------------------------------------------------------------------------------
+
+    def _flag(self, problem: Problem, detail: str = "") -> None:
+        self._flags[PROBLEMS.index(problem)] = 1.0
+        self._detail = self._detail or detail
+
+    def _reset_flags(self) -> None:
+        self._flags = [0.0] * len(PROBLEMS)
+        self._detail = ""
+
+    def _record_tensor(
+        self,
+        slots: list[tuple[int, float]],
+        problems: list[Problem],
+        device_scalars: list[tuple[int, Tensor]] = (),  # type: ignore[assignment]
+        device_flags: list[tuple[Problem, Tensor]] = (),  # type: ignore[assignment]
+    ) -> Tensor:
+        """A record from host values (one host-to-device copy) and device values (never read on the host here)."""
+        host = [0.0] * SLOTS
+        for slot, value in slots:
+            host[slot] = value
+        flags = list(self._flags)
+        for problem in problems:
+            flags[PROBLEMS.index(problem)] = 1.0
+        values = torch.tensor(host + flags, dtype=torch.float64).to(self.world.device, non_blocking=True)
+        scalars, flag_tensor = values[:SLOTS], values[SLOTS:]
+        if device_scalars:
+            index = torch.tensor([slot for slot, _ in device_scalars], device=self.world.device)
+            scalars = scalars.index_add(0, index, torch.stack([value.to(torch.float64) for _, value in device_scalars]))
+        if device_flags:
+            index = torch.tensor([PROBLEMS.index(problem) for problem, _ in device_flags], device=self.world.device)
+            raised = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
+            raised_flags = torch.zeros_like(flag_tensor).index_add(0, index, raised).clamp(max=1)
+            flag_tensor = torch.maximum(flag_tensor, raised_flags)
+        rank_slot = self.world.rank if self.track_rank_counts else None
+        return build_record(scalars, flag_tensor, self.world.rank, rank_slot, self.world.size)
+
+    def _start_exchange(self, record: Tensor) -> Exchange:
+        return Exchange(record, self.world.group, self.world.distributed)
+
+    def _reduce(self, record: Tensor) -> Reduced:
+        """A blocking exchange: only where no forward of a window has run yet."""
+        return Reduced(self._start_exchange(record).read())
+
+    def _problems(self, reduced: Reduced, check_lengths: bool) -> list[str]:
+        lines = reduced.problems()
+        if check_lengths and not reduced.lengths_agree(self.world.size):
+            lines.append(f"{Problem.UNEVEN.what} (total {reduced[LENGTH]:g} micro-batches over {self.world.size}"
+                         f" ranks). Fix: {Problem.UNEVEN.fix}")
+        return lines
+
+    def _skip(self, stats: WindowStats) -> WindowStats:
+        if stats.skipped:
+            self.skipped_steps += 1
+            if self.skipped_steps == 1:
+                from lightning.pytorch.utilities import rank_zero_warn
+
+                rank_zero_warn(
+                    "token_mean: an accumulation window had no valid items on any rank (N = 0); its optimizer step"
+                    " was skipped, leaving parameters and optimizer state unchanged (Lightning's `global_step` and"
+                    " step-wise LR schedulers still advance). `strategy.skipped_steps` counts them."
+                )
+        self.last_stats = stats
+        return stats
+
+    @staticmethod
+    def _where(step: str, window: Window) -> str:
+        return f"the accumulation window of {step}, batches {window.start}..{window.stop - 1})"
+
+    @staticmethod
+    def _length_slots(length: int) -> list[tuple[int, float]]:
+        return [(LENGTH, float(length)), (LENGTH_SQUARED, float(length * length))]
+
+
+__all__ = ["COUNT", "RECORD_SIZE", "LossReduction", "Settings", "StepOutput", "Window", "WindowMode", "World"]

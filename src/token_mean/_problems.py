@@ -1,0 +1,84 @@
+"""What can make a window's denominator untrustworthy: one enum member per problem, carrying its text and fix.
+
+Problems are raised as flags in the window's record, so they reach every rank in the one collective the window
+already pays for, and every rank raises the same :class:`DenominatorError` before the optimizer step.
+"""
+
+from __future__ import annotations
+
+from enum import Enum
+
+
+class DenominatorError(RuntimeError):
+    """A count or loss made the global token mean of an optimizer step undefined or wrong.
+
+    Raised on every rank at once, with the same message (the offending rank, the step and the fix), because the
+    problem travels in the same collective as the counts: no rank is left waiting in a collective.
+    """
+
+
+class Problem(Enum):
+    """A problem of one rank's window: ``what`` went wrong and the ``fix`` that applies."""
+
+    COUNT_FAILED = (
+        "`count_fn` failed or returned something that is not a number",
+        "make `count_fn(batch)` return an int, a float or a one-element tensor for every batch.",
+    )
+    COUNT_NEGATIVE = (
+        "`count_fn` returned a negative count",
+        "counts are numbers of valid items or sums of non-negative weights.",
+    )
+    COUNT_NONFINITE = (
+        "`count_fn` returned a NaN or infinite count",
+        "check the weights or mask that `count_fn` sums.",
+    )
+    COUNT_RANGE = (
+        "the window's total count N is outside what float64 can normalize by (1/N or N itself is not finite)",
+        "rescale the sample weights that `count_fn` sums (for example divide them by their mean); integer token"
+        " counts never reach this.",
+    )
+    NO_LOSS = (
+        "`training_step` returned no loss (None, or a dict without 'loss')",
+        "return the micro-batch's loss (a tensor, or a dict with a 'loss' key) from every `training_step`.",
+    )
+    BAD_LOSS = (
+        "the loss of a micro-batch that the count says holds valid items is NaN or infinite",
+        "if the loss averages over fewer items than the count (0/0 = NaN when it sees none), make the count"
+        " match the loss's own mask (shifted labels? another ignore_index?); otherwise the model diverged: lower"
+        " the learning rate or clip gradients.",
+    )
+    BAD_AUX_LOSS = (
+        "the 'aux_loss' of a micro-batch is NaN or infinite",
+        "check the auxiliary term; it is averaged over every real micro-batch, empty ones included.",
+    )
+    NUM_ITEMS_MISMATCH_COUNT_FN = (
+        "`count_fn(batch)` and the 'num_items' returned by `training_step` disagree: two definitions of the"
+        " denominator",
+        "make them count the same items, or keep one of them (drop `count_fn`, or stop returning 'num_items').",
+    )
+    NUM_ITEMS_MISMATCH_DEFAULT = (
+        "the default count (`batch['labels'] != -100`) and the 'num_items' returned by `training_step` disagree",
+        "pass the `count_fn` that counts what the loss averages over, for example"
+        " `count_fn=token_mean.count_shifted_labels` when the model shifts the labels itself.",
+    )
+    ALIASED = (
+        "batches read ahead share memory with each other: the loader refills one buffer in place, so the"
+        " window's batches would all hold the last one",
+        "use `mode='deferred'`, which holds no batch ahead, or make the loader yield fresh tensors (`.clone()`).",
+    )
+    UNEVEN = (
+        "the ranks ran accumulation windows of different lengths",
+        "give every rank the same number of batches, or keep `pad_uneven_ranks=True`.",
+    )
+    NO_BATCH = (
+        "the rank's training loader yielded no batch this epoch while others did, so it has nothing to take part"
+        " in DDP's backward with",
+        "give every rank at least one batch.",
+    )
+
+    def __init__(self, what: str, fix: str) -> None:
+        self.what = what
+        self.fix = fix
+
+
+PROBLEMS: tuple[Problem, ...] = tuple(Problem)
