@@ -3,19 +3,30 @@
 ``TokenMeanDDPStrategy`` makes each optimizer step follow the mean loss over all valid items of the step (all ranks,
 all micro-batches); ``DenominatorMonitor`` logs the denominator each step used and flags divergence from a reference
 run; ``TokenMeanLoss`` is the exact token-weighted validation loss; ``ExactDistributedSampler`` shards without
-repeating items.
+repeating items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``count_examples``,
+``count_sequences``, ``ClassWeightedCount``) and the sequence-level helpers live in :mod:`token_mean.counts`.
 """
 
-from token_mean._counting import IGNORE_INDEX, count_valid_labels
 from token_mean._problems import DenominatorError
 from token_mean._window import WindowStats
 from token_mean.callback import DenominatorMonitor, Divergence, DivergenceError
+from token_mean.counts import (
+    IGNORE_INDEX,
+    ClassWeightedCount,
+    count_examples,
+    count_sequences,
+    count_shifted_labels,
+    count_valid_labels,
+    sequence_token_means,
+    sequence_token_sums,
+)
 from token_mean.metrics import TokenMeanLoss
 from token_mean.sampler import ExactDistributedSampler
 from token_mean.strategy import TokenMeanDDPStrategy
 
 __all__ = [
     "IGNORE_INDEX",
+    "ClassWeightedCount",
     "DenominatorError",
     "DenominatorMonitor",
     "Divergence",
@@ -24,5 +35,10 @@ __all__ = [
     "TokenMeanDDPStrategy",
     "TokenMeanLoss",
     "WindowStats",
+    "count_examples",
+    "count_sequences",
+    "count_shifted_labels",
     "count_valid_labels",
+    "sequence_token_means",
+    "sequence_token_sums",
 ]

@@ -11,42 +11,10 @@ from torch import Tensor
 
 from token_mean._problems import Problem
 
-IGNORE_INDEX = -100
-"""The label PyTorch's ``cross_entropy`` (and Hugging Face) treats as "not a target"."""
+# The named counts live in the public `counts` module; these names stay importable from here.
+from token_mean.counts import IGNORE_INDEX, count_valid_labels
 
 CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
-
-
-def count_valid_labels(batch: Any) -> Tensor:
-    """Count the targets of a mapping batch whose ``"labels"`` are not ``-100``.
-
-    This is the default ``count_fn``: the number of tokens ``F.cross_entropy(..., ignore_index=-100)`` averages over.
-    The count stays on the batch's device (no host sync).
-
-    Args:
-        batch: a mapping with a ``"labels"`` tensor.
-
-    Returns:
-        A 0-dim int64 tensor.
-
-    Raises:
-        TypeError: if the batch is not a mapping with a ``"labels"`` tensor; the message shows how to pass ``count_fn``.
-
-    Example:
-        >>> import torch
-        >>> count_valid_labels({"labels": torch.tensor([[5, -100, 7], [-100, -100, 1]])})
-        tensor(3)
-    """
-    labels = batch.get("labels") if isinstance(batch, Mapping) else None
-    if not isinstance(labels, Tensor):
-        raise TypeError(
-            f"`count_fn` is required: the default counts `batch['labels'] != {IGNORE_INDEX}`, but the batch is a"
-            f" {type(batch).__name__}{' without a `labels` tensor' if isinstance(batch, Mapping) else ''}."
-            " Pass the number of valid items of one micro-batch, for example"
-            " `TokenMeanDDPStrategy(count_fn=lambda batch: (batch[1] != -100).sum())` for (inputs, targets) tuples,"
-            " or `count_fn=lambda batch: len(batch[0])` to average over examples."
-        )
-    return (labels != IGNORE_INDEX).sum()
 
 
 def first_labels(batch: Any) -> Tensor | None:
