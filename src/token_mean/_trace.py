@@ -13,7 +13,7 @@ from typing import IO, Any
 TRACE_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 """File suffix → trace format."""
 
-COMPARED_COLUMNS = ("global_count", "loss", "grad_norm", "param_sum", "param_norm")
+COMPARED_COLUMNS = ("global_count", "loss", "grad_norm", "param_norm")
 """The quantities a replay is compared on, in the order a divergence is attributed (the first differing one wins)."""
 
 REQUIRED_COLUMNS = ("step", *COMPARED_COLUMNS)
