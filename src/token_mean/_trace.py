@@ -154,12 +154,13 @@ def _check_columns(path: Path, columns: list[str], line: int | None = None) -> N
         )
 
 
-def read_trace(path: str | os.PathLike[str]) -> dict[int, TraceRow]:
+def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dict[int, TraceRow]:
     """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
 
     Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step. The
     read is one pass in linear time: about a second for 100,000 steps. A UTF-8 byte-order mark is accepted; anything
-    else the writer would not have written is an error naming the file and the line.
+    else the writer would not have written is an error naming the file and the line. ``argument`` names the file in
+    messages (the monitor's ``reference``, or a command line's argument).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -184,15 +185,15 @@ def read_trace(path: str | os.PathLike[str]) -> dict[int, TraceRow]:
         ValueError: Malformed trace '...ref.csv', line 2: column 'global_count' holds '1_2', not a number.
     """
     path = Path(path)
-    fmt = trace_format(path, "reference")
+    fmt = trace_format(path, argument)
     if path.is_dir():
         raise IsADirectoryError(
-            f"The reference trace {str(path)!r} is a directory. Pass the file that"
+            f"The {argument} trace {str(path)!r} is a directory. Pass the file that"
             " `DenominatorMonitor(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
         )
     if not path.exists():
         raise FileNotFoundError(
-            f"The reference trace {str(path)!r} does not exist. Record one first with"
+            f"The {argument} trace {str(path)!r} does not exist. Record one first with"
             f" `DenominatorMonitor(record={str(path)!r})`, and make it readable on every rank."
         )
     trace: dict[int, TraceRow] = {}
