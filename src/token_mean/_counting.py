@@ -29,6 +29,8 @@ def count_valid_labels(batch: Any) -> Tensor:
         TypeError: if the batch is not a mapping with a ``"labels"`` tensor; the message shows how to pass ``count_fn``.
 
     Example:
+        >>> import torch
+        >>> from token_mean import count_valid_labels
         >>> count_valid_labels({"labels": torch.tensor([[5, -100, 7], [-100, -100, 1]])})
         tensor(3)
     """
