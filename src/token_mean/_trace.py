@@ -172,7 +172,8 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
 
     Example:
         >>> import tempfile
-        >>> path = Path(tempfile.mkdtemp()) / "ref.csv"
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = Path(folder.name) / "ref.csv"
         >>> writer = TraceWriter(path)
         >>> writer.write({"step": 0, "global_count": 12, "loss": 2.5, "grad_norm": 0.5, "param_norm": 3.0})
         >>> writer.close()
@@ -183,6 +184,7 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
         Traceback (most recent call last):
         ...
         ValueError: Malformed trace '...ref.csv', line 2: column 'global_count' holds '1_2', not a number.
+        >>> folder.cleanup()
     """
     path = Path(path)
     fmt = trace_format(path, argument)
