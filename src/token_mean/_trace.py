@@ -158,7 +158,8 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
     """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
 
     Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step. The
-    read is one pass in linear time: about a second for 100,000 steps. A UTF-8 byte-order mark is accepted; anything
+    read is one pass in linear time: 0.6-0.8 s for 100,000 steps, CSV or JSON Lines, on one core of a shared 2-core
+    AMD EPYC (``tests/test_trace.py`` reads such a trace). A UTF-8 byte-order mark is accepted; anything
     else the writer would not have written is an error naming the file and the line. ``argument`` names the file in
     messages (the monitor's ``reference``, or a command line's argument).
 
