@@ -558,7 +558,9 @@ def _global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
         else:
             fused.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     for (_, dtype), group in fused.items():
-        norms = torch._foreach_norm(group, 2, dtype=_norm_dtype(dtype))
+        accumulate = _norm_dtype(dtype)
+        # `dtype=` only where needed: it came in 2024 (torch ~2.5), and pyproject allows torch 2.1.
+        norms = torch._foreach_norm(group, 2) if accumulate is None else torch._foreach_norm(group, 2, dtype=accumulate)
         squares.extend(norm.to(device=device, dtype=torch.float64).square() for norm in norms)
     return torch.stack(squares).sum().sqrt()
 
