@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test lint bench clean
+.PHONY: demo test test-fast lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -17,6 +17,10 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest -q
+
+# Development lane: everything but the tests that launch real subprocesses (`slow`); doctests included.
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow"
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks

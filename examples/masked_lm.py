@@ -87,10 +87,10 @@ PROMPT_BYTES = 128
 RESPONSE_BYTES = 255
 VAL_PAIRS = 128  # the first 128 of the held-out split: ~1 s of forward passes per run
 VAL_BATCH_SIZE = 8
-# The monitor compares N exactly, and loss, grad_norm, param_sum and param_norm within ATOL + RTOL·|reference|.
+# The monitor compares N exactly, and loss, grad_norm and param_norm within ATOL + RTOL·|reference|.
 # In float32 the token-mean run adds the same per-token terms in another order than the reference's single batch
 # (per micro-batch, per rank, then gloo's all-reduce). Measured over 150 steps of the default settings: at most
-# 2e-7 relative on the loss, 3e-9 on param_sum and 3e-6 on the gradient norm, the most sensitive (the loss surface
+# 2e-7 relative on the loss, 3e-9 on a parameter sum and 3e-6 on the gradient norm, the most sensitive (the loss surface
 # sharpens as training goes, so a 1e-8 difference in the parameters shows as 1e-6 in the gradient). 1e-4 (the
 # monitor's default) leaves a 30× margin, while plain DDP's gradient norm is off by ~2e-2 at step 0.
 RTOL = 1e-4

@@ -9,6 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+# The launcher scripts run in their own processes; --doctest-modules would otherwise import them here.
+collect_ignore = ["scripts"]
+
 # The tests fork DDP workers from this process. An OpenMP pool that has run a parallel region does not survive a
 # fork (the child deadlocks in its first parallel op), and the tensors here are tiny: one intra-op thread.
 torch.set_num_threads(1)

@@ -24,7 +24,7 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import token_mean.callback
 import token_mean.metrics
-from token_mean._trace import TRACE_COLUMNS, read_trace
+from token_mean._trace import COMPARED_COLUMNS, read_trace
 from token_mean.callback import DenominatorMonitor, DivergenceError
 from token_mean.metrics import TokenMeanLoss
 
@@ -124,7 +124,7 @@ def test_skipped_window_under_the_strategy(tmp_path: Path) -> None:
     assert steps[1]["naive_weight_error"] == 0.0 and steps[1]["imbalance"] == 0.0
     rows = read_trace(trace)
     assert rows[1]["loss"] is None and rows[1]["grad_norm"] is None  # no optimizer step, no gradient
-    assert rows[1]["param_sum"] == rows[0]["param_sum"]  # parameters unchanged
+    assert rows[1]["param_norm"] == rows[0]["param_norm"]  # parameters unchanged
     assert rows[2]["grad_norm"] is not None
 
 
@@ -166,7 +166,7 @@ def test_record_then_replay_single_device(tmp_path: Path, suffix: str) -> None:
     rows = read_trace(trace)
     assert list(rows) == [0, 1, 2]
     assert [rows[s]["global_count"] for s in rows] == [c for c, _ in exact_trajectory(data, 2)]
-    assert all(set(row) == set(TRACE_COLUMNS) - {"step"} for row in rows.values())
+    assert all(set(row) == set(COMPARED_COLUMNS) for row in rows.values())  # only what the comparison needs
     assert all(row["grad_norm"] is not None and row["grad_norm"] > 0 for row in rows.values())
 
     replay = DenominatorMonitor(reference=trace, on_divergence="raise", rtol=0.0, atol=0.0)
@@ -245,22 +245,22 @@ def write(path: Path, text: str) -> Path:
     return path
 
 
-HEADER = "step,global_count,loss,grad_norm,param_sum,param_norm\n"
+HEADER = "step,global_count,loss,grad_norm,param_norm\n"
 
 
 @pytest.mark.parametrize(
     ("name", "text", "error", "match"),
     [
         ("t.csv", "step,global_count,loss\n0,4,1.0\n", ValueError,
-         r"lacks the columns \['grad_norm', 'param_sum', 'param_norm'\]"),
+         r"lacks the columns \['grad_norm', 'param_norm'\]"),
         ("t.jsonl", '{"step": 0, "global_count": 4}\n', ValueError, r"line 1 lacks the columns \['loss'"),
         ("t.jsonl", "[0, 4]\n", ValueError, r"line 1: expected one JSON object per line, got list"),
         ("t.jsonl", '{"step": 0,\n', ValueError, r"line 1: not JSON"),
-        ("t.csv", HEADER + "0,4,abc,1,1,1\n", ValueError, r"line 2: column 'loss' holds 'abc', not a number"),
-        ("t.csv", HEADER + "0.5,4,1,1,1,1\n", ValueError, r"`step` must be a non-negative integer, got '0.5'"),
-        ("t.csv", HEADER + "1,4,1,1,1,1\n0,4,1,1,1,1\n", ValueError, r"step 0 follows step 1; steps must increase"),
-        ("t.csv", HEADER + "0,4,1,1\n", ValueError, r"line 2: the row does not have the 6 fields"),
-        ("t.csv", HEADER + "0,,1,1,1,1\n", ValueError, r"`global_count` is empty"),
+        ("t.csv", HEADER + "0,4,abc,1,1\n", ValueError, r"line 2: column 'loss' holds 'abc', not a number"),
+        ("t.csv", HEADER + "0.5,4,1,1,1\n", ValueError, r"`step` must be a non-negative integer, got '0.5'"),
+        ("t.csv", HEADER + "1,4,1,1,1\n0,4,1,1,1\n", ValueError, r"step 0 follows step 1; steps must increase"),
+        ("t.csv", HEADER + "0,4,1,1\n", ValueError, r"line 2: the row does not have the 5 fields"),
+        ("t.csv", HEADER + "0,,1,1,1\n", ValueError, r"`global_count` is empty"),
         ("t.csv", HEADER, ValueError, r"holds no step"),
         ("t.jsonl", "", ValueError, r"holds no step"),
     ],
@@ -286,12 +286,11 @@ def test_trace_round_trips_none_and_nonfinite(tmp_path: Path) -> None:
 
     for suffix in (".csv", ".jsonl"):
         writer = TraceWriter(tmp_path / f"t{suffix}")
-        writer.write({"step": 0, "global_count": 0.0, "loss": None, "grad_norm": None, "param_sum": 0.1 + 0.2,
-                      "param_norm": math.inf})
+        writer.write({"step": 0, "global_count": 0.0, "loss": None, "grad_norm": 0.1 + 0.2, "param_norm": math.inf})
         writer.close()
         row = read_trace(tmp_path / f"t{suffix}")[0]
-        assert row["loss"] is None and row["grad_norm"] is None
-        assert row["param_sum"] == 0.1 + 0.2 and row["param_norm"] == math.inf
+        assert row["loss"] is None
+        assert row["grad_norm"] == 0.1 + 0.2 and row["param_norm"] == math.inf
 
 
 @pytest.mark.parametrize(

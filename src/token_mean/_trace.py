@@ -6,14 +6,14 @@ import csv
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 from typing import IO, Any
 
 TRACE_FORMATS = {".csv": "csv", ".jsonl": "jsonl", ".ndjson": "jsonl"}
 """File suffix → trace format."""
 
-COMPARED_COLUMNS = ("global_count", "loss", "grad_norm", "param_sum", "param_norm")
+COMPARED_COLUMNS = ("global_count", "loss", "grad_norm", "param_norm")
 """The quantities a replay is compared on, in the order a divergence is attributed (the first differing one wins)."""
 
 REQUIRED_COLUMNS = ("step", *COMPARED_COLUMNS)
@@ -37,50 +37,111 @@ def trace_format(path: str | os.PathLike[str], argument: str) -> str:
     return TRACE_FORMATS[suffix]
 
 
-def _parse_value(raw: Any, path: Path, line: int, column: str) -> TraceValue:
+_BOM = "\ufeff"
+_SHOWN_CHARS = 40
+"""How much of a bad value an error message quotes: enough to recognise it, not a binary line."""
+
+
+def _malformed(path: Path, line: int, problem: str) -> ValueError:
+    return ValueError(f"Malformed trace {str(path)!r}, line {line}: {problem}")
+
+
+def _shown(raw: object) -> str:
+    text = repr(raw)
+    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def _number(raw: object, path: Path, line: int, column: str) -> TraceValue:
+    """A cell as the writer wrote it: ``repr`` of a float or an int, or empty (``None``)."""
     if raw is None or raw == "":
         return None
-    if isinstance(raw, bool) or not isinstance(raw, (int, float, str)):
-        raise ValueError(f"Malformed trace {str(path)!r}, line {line}: column {column!r} holds {raw!r}, not a number.")
+    if isinstance(raw, float):
+        return raw
+    if isinstance(raw, int) and not isinstance(raw, bool):
+        try:
+            return float(raw)
+        except OverflowError:
+            raise _malformed(path, line, f"column {column!r} holds an integer too large for a float.") from None
+    # float() also reads "5_8" as 58 and any Unicode digit ("٣" as 3): neither is something the writer wrote.
+    if isinstance(raw, str) and raw.isascii() and "_" not in raw:
+        try:
+            return float(raw)
+        except ValueError:
+            pass
+    raise _malformed(path, line, f"column {column!r} holds {_shown(raw)}, not a number.")
+
+
+def _step(raw: object, path: Path, line: int) -> int:
+    value: int | None = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
+    if value is None:
+        try:
+            number = _number(raw, path, line, "step")
+        except ValueError:
+            number = None
+        value = int(number) if number is not None and number.is_integer() else None
+    if value is None or value < 0:
+        raise _malformed(path, line, f"`step` must be a non-negative integer, got {_shown(raw)}.")
+    return value
+
+
+def _text_lines(path: Path, file: IO[bytes]) -> Iterator[str]:
+    """The file's lines as text, each decoded on its own so that a bad byte is reported with its line."""
+    for line_number, raw in enumerate(file, start=1):
+        try:
+            text = raw.decode("utf-8")
+        except UnicodeDecodeError as error:
+            raise _malformed(
+                path,
+                line_number,
+                f"byte {raw[error.start]:#04x} at column {error.start + 1} is not UTF-8. A trace is the UTF-8 text"
+                " `DenominatorMonitor(record=...)` writes: is this a binary file, or text saved as Latin-1?",
+            ) from None
+        if line_number == 1 and text.startswith(_BOM):
+            text = text[1:]  # spreadsheet programs write one ("CSV UTF-8"); it is not part of the first column's name
+        if "\x00" in text:
+            raise _malformed(path, line_number, "a NUL byte: this is a binary file, not a trace.")
+        yield text
+
+
+def _csv_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[str]]]:
+    """(line number, the cells of ``REQUIRED_COLUMNS``) per data row of a CSV trace."""
+    reader = csv.reader(_text_lines(path, file))
     try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(
-            f"Malformed trace {str(path)!r}, line {line}: column {column!r} holds {raw!r}, not a number."
-        ) from None
-
-
-def _records(path: Path, fmt: str) -> list[tuple[int, Mapping[str, Any]]]:
-    """(line number, raw record) pairs, with the columns checked against ``REQUIRED_COLUMNS``."""
-    records: list[tuple[int, Mapping[str, Any]]] = []
-    with path.open(newline="" if fmt == "csv" else None, encoding="utf-8") as file:
-        if fmt == "csv":
-            reader = csv.DictReader(file)
-            columns = list(reader.fieldnames or [])
-            _check_columns(path, columns)
-            for row in reader:
-                if None in row or None in row.values():
-                    raise ValueError(
-                        f"Malformed trace {str(path)!r}, line {reader.line_num}: the row does not have the"
-                        f" {len(columns)} fields of the header {columns}."
-                    )
-                records.append((reader.line_num, row))
-            return records
-        for line_number, line in enumerate(file, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as error:
-                raise ValueError(f"Malformed trace {str(path)!r}, line {line_number}: not JSON ({error}).") from None
-            if not isinstance(record, dict):
-                raise ValueError(
-                    f"Malformed trace {str(path)!r}, line {line_number}: expected one JSON object per line, got"
-                    f" {type(record).__name__}."
+        header = next((row for row in reader if row), None)
+        if header is None:
+            return
+        _check_columns(path, header)
+        repeated = sorted(column for column in REQUIRED_COLUMNS if header.count(column) > 1)
+        if repeated:
+            raise _malformed(path, reader.line_num, f"the header names the columns {repeated} more than once.")
+        positions = [header.index(column) for column in REQUIRED_COLUMNS]
+        for row in reader:
+            if not row:
+                continue  # a blank line
+            if len(row) != len(header):
+                raise _malformed(
+                    path, reader.line_num, f"the row does not have the {len(header)} fields of the header {header}."
                 )
-            _check_columns(path, list(record), line_number)
-            records.append((line_number, record))
-    return records
+            yield reader.line_num, [row[position] for position in positions]
+    except csv.Error as error:
+        raise _malformed(path, reader.line_num, f"not CSV ({error}).") from None
+
+
+def _jsonl_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[object]]]:
+    """(line number, the values of ``REQUIRED_COLUMNS``) per line of a JSON Lines trace."""
+    for line_number, line in enumerate(_text_lines(path, file), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except RecursionError:
+            raise _malformed(path, line_number, "JSON nested too deeply; a trace row is one flat object.") from None
+        except ValueError as error:  # JSONDecodeError, and integers past Python's 4300-digit limit
+            raise _malformed(path, line_number, f"not JSON ({error}).") from None
+        if not isinstance(record, dict):
+            raise _malformed(path, line_number, f"expected one JSON object per line, got {type(record).__name__}.")
+        _check_columns(path, list(record), line_number)
+        yield line_number, [record[column] for column in REQUIRED_COLUMNS]
 
 
 def _check_columns(path: Path, columns: list[str], line: int | None = None) -> None:
@@ -93,38 +154,76 @@ def _check_columns(path: Path, columns: list[str], line: int | None = None) -> N
         )
 
 
-def read_trace(path: str | os.PathLike[str]) -> dict[int, TraceRow]:
-    """Load a trace written by ``DenominatorMonitor(record=...)``: step → the row's numbers (``None`` where empty).
+def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dict[int, TraceRow]:
+    """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
+
+    Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step. The
+    read is one pass in linear time: 0.6-0.8 s for 100,000 steps, CSV or JSON Lines, on one core of a shared 2-core
+    AMD EPYC (``tests/test_trace.py`` reads such a trace). A UTF-8 byte-order mark is accepted; anything
+    else the writer would not have written is an error naming the file and the line. ``argument`` names the file in
+    messages (the monitor's ``reference``, or a command line's argument).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
-        ValueError: if the suffix is not a trace format, a required column is missing, a value is not a number, the
-            steps are not integers in increasing order, or the file holds no step.
+        IsADirectoryError: if ``path`` is a directory.
+        ValueError: if the suffix is not a trace format, the file is not UTF-8 text, a line is not CSV or JSON, a
+            required column is missing, a value is not a number (digits other than ASCII ones, ``5_8`` and the
+            like are not), ``global_count`` is empty, negative or not finite, the steps are not non-negative
+            integers in increasing order, or the file holds no step.
+
+    Example:
+        >>> import tempfile
+        >>> folder = tempfile.TemporaryDirectory()
+        >>> path = Path(folder.name) / "ref.csv"
+        >>> writer = TraceWriter(path)
+        >>> writer.write({"step": 0, "global_count": 12, "loss": 2.5, "grad_norm": 0.5, "param_norm": 3.0})
+        >>> writer.close()
+        >>> read_trace(path)[0]["loss"]
+        2.5
+        >>> _ = path.write_text(path.read_text().replace("12", "1_2"))
+        >>> read_trace(path)  # doctest: +ELLIPSIS
+        Traceback (most recent call last):
+        ...
+        ValueError: Malformed trace '...ref.csv', line 2: column 'global_count' holds '1_2', not a number.
+        >>> folder.cleanup()
     """
     path = Path(path)
-    fmt = trace_format(path, "reference")
-    if not path.is_file():
+    fmt = trace_format(path, argument)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"The {argument} trace {str(path)!r} is a directory. Pass the file that"
+            " `DenominatorMonitor(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
+        )
+    if not path.exists():
         raise FileNotFoundError(
-            f"The reference trace {str(path)!r} does not exist. Record one first with"
+            f"The {argument} trace {str(path)!r} does not exist. Record one first with"
             f" `DenominatorMonitor(record={str(path)!r})`, and make it readable on every rank."
         )
     trace: dict[int, TraceRow] = {}
-    for line, record in _records(path, fmt):
-        row = {column: _parse_value(record.get(column), path, line, column) for column in TRACE_COLUMNS}
-        step = row.pop("step")
-        if step is None or not math.isfinite(step) or step != int(step) or step < 0:
-            raise ValueError(
-                f"Malformed trace {str(path)!r}, line {line}: `step` must be a non-negative integer, got"
-                f" {record.get('step')!r}."
-            )
-        if trace and int(step) <= max(trace):
-            raise ValueError(
-                f"Malformed trace {str(path)!r}, line {line}: step {int(step)} follows step {max(trace)}; steps must"
-                " increase. Was the file appended to by two runs? Record the reference again."
-            )
-        if row["global_count"] is None:
-            raise ValueError(f"Malformed trace {str(path)!r}, line {line}: `global_count` is empty.")
-        trace[int(step)] = row
+    previous: int | None = None
+    with path.open("rb") as file:
+        rows = _csv_rows(path, file) if fmt == "csv" else _jsonl_rows(path, file)
+        for line, (raw_step, *raw_values) in rows:
+            step = _step(raw_step, path, line)
+            # Steps increase, so the previous step is the largest so far: one comparison per row, never max(trace).
+            if previous is not None and step <= previous:
+                raise _malformed(
+                    path,
+                    line,
+                    f"step {step} follows step {previous}; steps must increase. Was the file appended to by two"
+                    " runs? Record the reference again.",
+                )
+            row = {
+                column: _number(raw, path, line, column)
+                for column, raw in zip(COMPARED_COLUMNS, raw_values, strict=True)
+            }
+            count = row["global_count"]
+            if count is None:
+                raise _malformed(path, line, "`global_count` is empty.")
+            if not (math.isfinite(count) and count >= 0):
+                raise _malformed(path, line, f"`global_count` must be a finite count >= 0, got {count!r}.")
+            trace[step] = row
+            previous = step
     if not trace:
         raise ValueError(f"The trace {str(path)!r} holds no step. Was the reference run stopped before its first step?")
     return trace

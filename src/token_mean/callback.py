@@ -43,12 +43,16 @@ _CAUSES = {
         " per-rank means over uneven ranks, or Lightning dividing a short last window by the full"
         " `accumulate_grad_batches` (use `TokenMeanDDPStrategy`); otherwise different numerics"
     ),
-    "param_sum": (
+    "param_norm": (
         "the same N, loss and gradient with different parameters after the update means a different optimizer,"
         " learning rate, scheduler or gradient clipping"
     ),
 }
-_CAUSES["param_norm"] = _CAUSES["param_sum"]
+
+NORM_ROW = 1024
+"""Elements per partial norm of a CPU tensor's fingerprint (see ``_global_norm``)."""
+ROW_NORM_DEVICES = ("cpu",)
+"""Device types whose fingerprints are taken row by row instead of with the fused ``torch._foreach_norm``."""
 
 
 class DivergenceError(RuntimeError):
@@ -61,8 +65,7 @@ class Divergence:
 
     Attributes:
         step: the optimizer step's 0-based index (the ``step`` its metrics are logged under).
-        quantity: the trace column that differs: ``global_count``, ``loss``, ``grad_norm``, ``param_sum`` or
-            ``param_norm``.
+        quantity: the trace column that differs: ``global_count``, ``loss``, ``grad_norm`` or ``param_norm``.
         value: the value in this run (``None`` where it was undefined).
         reference: the value in the reference trace.
         message: says which quantity diverged, both values and the likely cause.
@@ -104,11 +107,21 @@ class DenominatorMonitor(Callback):
 
     Traces: ``record="ref.csv"`` (or ``.jsonl``) writes one row per optimizer step from rank zero: ``step``,
     ``global_count``, ``loss``, ``grad_norm`` (the L2 norm of the gradient in ``on_before_optimizer_step``, after
-    normalization and before clipping), ``param_sum`` and ``param_norm`` (a float64 sum and L2 norm of all parameters
-    after the update), and for reading only ``world_size``, ``window_length``, ``imbalance``,
-    ``naive_weight_error``. ``reference="ref.csv"`` compares each step with that trace, in that column order, and
-    reports the first step and quantity outside ``atol + rtol·|reference|`` (N within a relative 1e-9). Recording or
-    comparing costs one device-to-host copy of three numbers per step.
+    normalization and before clipping) and ``param_norm`` (the L2 norm of all parameters after the update), and for
+    reading only ``world_size``, ``window_length``, ``imbalance``, ``naive_weight_error``. ``reference="ref.csv"``
+    compares each step with that trace, in that column order, and reports the first step and quantity outside
+    ``atol + rtol·|reference|`` (N within a relative 1e-9).
+
+    Recording or comparing costs, per step, one pass over the gradients and one over the parameters (norms in the
+    tensors' own precision, at least float32, combined in float64; see ``_global_norm``) and one device-to-host copy
+    of two numbers. Measured on a 33.6M-parameter float32 model (32 ``Linear(1024, 1024)``), one core of a shared
+    AMD EPYC, torch 2.13 CPU: 12.6 ms per step (median of 21), against 57 ms (38 ms at best) for the three float64
+    passes of earlier versions, which also summed the parameters; on a GPU it is one read of the parameters and one
+    of the gradients. The fingerprints' own rounding is one float32 rounding per partial norm (1.4e-10 off the
+    float64 norm on that model), far below the default ``rtol``, which therefore stays 1e-4; a float64 model
+    (``64-true``) gets float64 fingerprints, so tolerances down to 1e-12 still compare training, not rounding.
+    Traces of earlier versions still read; their ``param_sum`` column is ignored (a float32 sum of parameters of both
+    signs cancels, so its rounding is not small against the sum, and it would take a second pass).
 
     Every rank reads the reference and compares the same numbers (they are identical on all ranks), so with
     ``on_divergence="raise"`` all ranks raise together and none is left waiting in a collective; no collective is
@@ -424,17 +437,16 @@ class DenominatorMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, step: int, window: WindowStats, grad_norm: Tensor | None
     ) -> dict[str, float | int | None]:
         device = trainer.strategy.root_device
-        param_sum, param_norm = _param_fingerprint(pl_module, device)
+        param_norm = _global_norm([p.detach() for p in pl_module.parameters()], device)
         nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
-        # One device-to-host copy for the three numbers.
-        host = torch.stack((nan if grad_norm is None else grad_norm, param_sum, param_norm)).tolist()
+        # One device-to-host copy for both fingerprints.
+        host = torch.stack([nan if norm is None else norm for norm in (grad_norm, param_norm)]).tolist()
         return {
             "step": step,
             "global_count": window.global_count,
             "loss": window.loss,
             "grad_norm": None if grad_norm is None else host[0],
-            "param_sum": host[1],
-            "param_norm": host[2],
+            "param_norm": None if param_norm is None else host[1],
             "world_size": window.world_size,
             "window_length": window.window_length,
             "imbalance": window.imbalance,
@@ -520,24 +532,53 @@ def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | Non
 
 
 def _grad_norm(module: torch.nn.Module, device: torch.device) -> Tensor | None:
-    norms = [
-        torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float64).to(device)
-        for p in module.parameters()
-        if p.grad is not None
-    ]
-    return torch.linalg.vector_norm(torch.stack(norms)) if norms else None
+    return _global_norm([p.grad.detach() for p in module.parameters() if p.grad is not None], device)
 
 
-def _param_fingerprint(module: torch.nn.Module, device: torch.device) -> tuple[Tensor, Tensor]:
-    """A float64 sum and L2 norm of all parameters: cheap, deterministic, and sensitive to any change of the update."""
-    params = [p.detach() for p in module.parameters()]
-    if not params:
-        zero = torch.zeros((), dtype=torch.float64, device=device)
-        return zero, zero
-    total = torch.stack([p.sum(dtype=torch.float64).to(device) for p in params]).sum()
-    norms = [torch.linalg.vector_norm(p, dtype=torch.float64).to(device) for p in params]
-    norm = torch.linalg.vector_norm(torch.stack(norms))
-    return total, norm
+def _global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
+    """The L2 norm of all ``tensors`` together, a float64 tensor on ``device``, from one pass over them.
+
+    Norms are taken in each tensor's own precision (float32 for half types, whose own norms would keep three digits)
+    and only the partial norms are combined in float64. On accelerators one fused ``torch._foreach_norm`` per dtype
+    (what ``clip_grad_norm_`` uses) takes all of them; its kernels add partial sums in a tree. The CPU kernel adds a
+    tensor's squares one after the other instead: in float32 the norm of a 1M-element tensor is then ~1e-5 off, by a
+    different amount for nearly equal parameters, which would compare rounding rather than training. On the CPU each
+    tensor is therefore reduced in rows of ``NORM_ROW`` elements (one kernel per tensor, 1e-10 off). ``None``
+    without tensors.
+
+    Example:
+        >>> _global_norm([torch.tensor([3.0, 4.0]), torch.tensor([12.0])], torch.device("cpu"))  # √(3² + 4² + 12²)
+        tensor(13., dtype=torch.float64)
+    """
+    if not tensors:
+        return None
+    squares: list[Tensor] = []
+    fused: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        if tensor.device.type in ROW_NORM_DEVICES:
+            squares.append(_row_norms(tensor).to(device=device, dtype=torch.float64).square().sum())
+        else:
+            fused.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    for (_, dtype), group in fused.items():
+        accumulate = _norm_dtype(dtype)
+        # `dtype=` only where needed: it came in 2024 (torch ~2.5), and pyproject allows torch 2.1.
+        norms = torch._foreach_norm(group, 2) if accumulate is None else torch._foreach_norm(group, 2, dtype=accumulate)
+        squares.extend(norm.to(device=device, dtype=torch.float64).square() for norm in norms)
+    return torch.stack(squares).sum().sqrt()
+
+
+def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
+    return torch.float32 if dtype.itemsize < 4 else None
+
+
+def _row_norms(tensor: Tensor) -> Tensor:
+    """Norms of ``NORM_ROW``-element rows of the flattened tensor (views, no copy), and of the remainder."""
+    flat = tensor.reshape(-1)
+    rows = flat.numel() // NORM_ROW
+    dtype = _norm_dtype(tensor.dtype)
+    body: Tensor = torch.linalg.vector_norm(flat[: rows * NORM_ROW].view(rows, NORM_ROW), dim=1, dtype=dtype)
+    tail: Tensor = torch.linalg.vector_norm(flat[rows * NORM_ROW :], dtype=dtype)
+    return torch.cat((body, tail.reshape(1)))
 
 
 __all__ = ["DenominatorMonitor", "Divergence", "DivergenceError"]

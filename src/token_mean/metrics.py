@@ -1,27 +1,36 @@
-"""TokenMeanLoss: the exact token-weighted mean loss over batches and ranks, as a torchmetrics ``MeanMetric``."""
+"""TokenMeanLoss: the exact token-weighted mean loss over batches and ranks, as a torchmetrics ``Metric``."""
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
-from torchmetrics import MeanMetric
+from torch.nn import Module
+from torchmetrics import Metric
 from typing_extensions import override
 
+_STATES = ("loss_sum", "count")
 
-class TokenMeanLoss(MeanMetric):
+
+class TokenMeanLoss(Metric):
     """The mean loss over every valid item seen, summed over batches and ranks before dividing.
 
     ``self.log("val_loss", loss, sync_dist=True)`` averages per-batch means within a rank (weighted by batch size) and
     then takes a plain mean of the rank means, so ranks and batches with few valid tokens weigh as much as full ones.
-    This metric keeps Σ loss sums and Σ counts as ``MeanMetric``'s two states, both reduced with SUM across ranks by
-    torchmetrics, and divides once in ``compute``: the exact global token mean. States are float64, so integer counts
-    stay exact up to 2**53 (float32 stops at 2**24 tokens).
+    This metric keeps two states, Σ loss sums and Σ counts, both reduced with SUM across ranks by torchmetrics, and
+    divides once in ``compute``: the exact global token mean. The states are float64 whatever the module's precision
+    (``Trainer(precision="bf16-true")`` moves modules to bfloat16, which counts exactly only up to 256), so integer
+    counts stay exact up to 2**53.
 
-    ``update`` never moves a value to the host (no NaN check), and a batch without valid items adds nothing even
-    though its mean loss is NaN (0/0). Note that ``MeanMetric(nan_strategy="disable").update(value, weight)`` ignores
-    ``weight`` in torchmetrics 1.9; this class does not go through that path.
+    ``update`` never moves a value to the host, keeps no autograd graph, and lets an entry without valid items add
+    nothing even though its mean loss is NaN (0/0). ``compute`` is NaN when no valid item was seen at all, like
+    ``F.cross_entropy`` of a batch without targets.
+
+    Exact across ranks only if every item is evaluated once: Lightning's default validation sampler
+    (``DistributedSampler``) repeats items to even the ranks out, which counts them twice. See the README's
+    "Validation loss" for the sampler to use.
 
     Use it in place of the logged tensor, and Lightning computes (and syncs) it at the end of the epoch::
 
@@ -44,11 +53,20 @@ class TokenMeanLoss(MeanMetric):
     Example:
         >>> metric = TokenMeanLoss()
         >>> metric.update(torch.tensor(2.0), 3)  # three valid tokens with mean loss 2
-        >>> metric.update(torch.tensor(float("nan")), 0)  # no valid token: ignored
+        >>> metric.update(torch.tensor(float("nan")), 0)  # no valid token: adds nothing
         >>> metric.update(torch.tensor(6.0), 1)
         >>> metric.compute()  # (2·3 + 6·1) / 4, where a mean of batch means gives 4
         tensor(3., dtype=torch.float64)
+        >>> metric.loss_sum, metric.count
+        (tensor(12., dtype=torch.float64), tensor(4., dtype=torch.float64))
     """
+
+    is_differentiable = False
+    higher_is_better = False
+    full_state_update = False
+
+    loss_sum: Tensor
+    count: Tensor
 
     def __init__(self, loss_reduction: Literal["mean", "sum"] = "mean", **kwargs: Any) -> None:
         if loss_reduction not in ("mean", "sum"):
@@ -56,15 +74,18 @@ class TokenMeanLoss(MeanMetric):
                 f"`loss_reduction` must be 'mean' (update gets mean losses) or 'sum' (loss sums),"
                 f" got {loss_reduction!r}."
             )
-        super().__init__(nan_strategy="disable", **kwargs)
-        self.set_dtype(torch.float64)
+        super().__init__(**kwargs)
         self._loss_reduction = loss_reduction
+        # Sums, never means, so that torchmetrics' SUM over ranks gives the exact global numerator and denominator.
+        self.add_state("loss_sum", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
+        self.add_state("count", default=torch.tensor(0.0, dtype=torch.float64), dist_reduce_fx="sum")
 
     @override
     def update(self, value: float | Tensor, weight: float | Tensor | None = None) -> None:
         """Add a batch: ``value`` is its loss (mean or sum, see ``loss_reduction``), ``weight`` its valid items.
 
-        Both may be scalars, or tensors of one shape: one count per loss (e.g. per sequence).
+        Both may be scalars, or tensors of one shape: one count per loss (e.g. per sequence). An entry whose count is
+        0 adds nothing, whatever its loss.
 
         Raises:
             ValueError: if ``weight`` (the count) is missing or its shape differs from the loss's.
@@ -74,16 +95,34 @@ class TokenMeanLoss(MeanMetric):
                 "`TokenMeanLoss.update(loss, count)` needs the count of valid items, e.g."
                 " `count_valid_labels(batch)`; for a plain mean use `torchmetrics.MeanMetric`."
             )
-        loss = torch.as_tensor(value, device=self.device).to(torch.float64)
-        count = torch.as_tensor(weight, device=self.device).to(torch.float64)
+        loss = torch.as_tensor(value, device=self.device).detach().to(torch.float64)
+        count = torch.as_tensor(weight, device=self.device).detach().to(torch.float64)
         if loss.shape != count.shape:
             raise ValueError(
                 f"`TokenMeanLoss.update` needs one count per loss, got losses of shape {tuple(loss.shape)} and counts"
                 f" of shape {tuple(count.shape)}. Pass the batch's mean loss with its total count, or both per item."
             )
-        loss_sum = loss if self._loss_reduction == "sum" else torch.where(count > 0, loss * count, 0.0)
-        self.mean_value += loss_sum.sum()
-        self.weight += count.sum()
+        loss_sum = loss if self._loss_reduction == "sum" else loss * count
+        # torch.where, not a multiplication by 0: NaN (the mean of no item) times 0 is still NaN.
+        self.loss_sum += torch.where(count > 0, loss_sum, 0.0).sum()
+        self.count += count.sum()
+
+    @override
+    def compute(self) -> Tensor:
+        """Σ loss sums / Σ counts over every update on every rank; NaN if the count is 0."""
+        return torch.where(self.count > 0, self.loss_sum / self.count, torch.nan)
+
+    @override
+    def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Module:
+        # `Module.to(dtype)` reaches the states through torchmetrics (only .half()/.float()/... are guarded): move
+        # them, but keep them float64 so the sums stay exact.
+        module = super()._apply(fn, exclude_state)
+        for name in _STATES:
+            default = self._defaults.get(name)
+            if isinstance(default, Tensor):  # absent while Metric.__init__ runs
+                setattr(self, name, getattr(self, name).to(torch.float64))
+                self._defaults[name] = default.to(torch.float64)
+        return module
 
 
 __all__ = ["TokenMeanLoss"]

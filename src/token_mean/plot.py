@@ -1,0 +1,225 @@
+"""Draw a run's ``DenominatorMonitor`` trace against a reference's, as the demo's figure does.
+
+Record both runs with ``DenominatorMonitor(record=...)``, then::
+
+    python -m token_mean.plot runs/scaled/trace.csv runs/reference/trace.csv -o compare.png
+    python -m token_mean.plot run.jsonl reference.jsonl --rtol 1e-5 --atol 1e-7
+
+Three panels share the optimizer step: the loss of both runs; |Δ loss| on a log scale with the monitor's tolerance
+``atol + rtol·|reference loss|``; and N, the global count, of both runs. The first divergent step, judged as
+``DenominatorMonitor(reference=...)`` judges it (N within a relative 1e-9, then loss, gradient norm and parameter norm
+within the tolerance), is marked on every panel and printed. Without ``-o`` the figure goes beside RUN, as a ``.png``.
+
+Exit status: 0 when the figure is written (whether or not the runs diverge), 1 when a trace cannot be read, the traces
+share no step, matplotlib is missing or the figure cannot be written, 2 for bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from token_mean._trace import COMPARED_COLUMNS, TraceRow, read_trace
+from token_mean.callback import COUNT_RTOL, _close
+
+DEFAULT_RTOL = 1e-4
+"""``DenominatorMonitor``'s default ``rtol`` (a test keeps them equal)."""
+DEFAULT_ATOL = 1e-6
+"""``DenominatorMonitor``'s default ``atol``."""
+FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
+"""Formats matplotlib's Agg backend writes without extra packages."""
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Where two traces agree and where they first part.
+
+    Attributes:
+        steps: the steps both traces hold, in order.
+        divergent_step: the first of them outside the tolerance, ``None`` if none.
+        quantity: the first column that differs there (``global_count``, ``loss``, ``grad_norm`` or ``param_norm``).
+        only_in_run: how many of the run's steps the reference lacks.
+        only_in_reference: how many of the reference's steps the run lacks.
+    """
+
+    steps: list[int]
+    divergent_step: int | None
+    quantity: str | None
+    only_in_run: int
+    only_in_reference: int
+
+
+def compare_traces(run: dict[int, TraceRow], reference: dict[int, TraceRow], rtol: float, atol: float) -> Comparison:
+    """Compare two traces step by step, in ``COMPARED_COLUMNS`` order, as the monitor does during a replay.
+
+    Example:
+        >>> reference = {0: {"global_count": 8.0, "loss": 2.0, "grad_norm": 1.0, "param_norm": 5.0},
+        ...              1: {"global_count": 8.0, "loss": 1.5, "grad_norm": 0.8, "param_norm": 5.1}}
+        >>> run = {0: dict(reference[0]), 1: dict(reference[1], grad_norm=0.9), 2: dict(reference[1])}
+        >>> comparison = compare_traces(run, reference, rtol=1e-4, atol=1e-6)
+        >>> comparison.divergent_step, comparison.quantity, comparison.only_in_run
+        (1, 'grad_norm', 1)
+    """
+    steps = [step for step in run if step in reference]
+    divergent_step: int | None = None
+    quantity: str | None = None
+    for step in steps:
+        for column in COMPARED_COLUMNS:
+            column_rtol, column_atol = (COUNT_RTOL, 0.0) if column == "global_count" else (rtol, atol)
+            if not _close(run[step][column], reference[step][column], column_rtol, column_atol):
+                divergent_step, quantity = step, column
+                break
+        if divergent_step is not None:
+            break
+    return Comparison(
+        steps=steps,
+        divergent_step=divergent_step,
+        quantity=quantity,
+        only_in_run=len(run) - len(steps),
+        only_in_reference=len(reference) - len(steps),
+    )
+
+
+def _values(trace: dict[int, TraceRow], column: str, steps: Sequence[int]) -> list[float]:
+    # NaN where a value is missing (the loss of a step with N = 0): matplotlib leaves a gap there.
+    return [math.nan if (value := trace[step][column]) is None else value for step in steps]
+
+
+def plot_traces(
+    run_path: str | os.PathLike[str],
+    reference_path: str | os.PathLike[str],
+    output: str | os.PathLike[str],
+    rtol: float = DEFAULT_RTOL,
+    atol: float = DEFAULT_ATOL,
+) -> Comparison:
+    """Read both traces, draw them into ``output`` and return their comparison.
+
+    Raises:
+        FileNotFoundError, IsADirectoryError, ValueError: from :func:`~token_mean._trace.read_trace` for a trace
+            that cannot be read, naming its file and line.
+        ValueError: if the traces share no step, or ``output``'s suffix is not one of ``FIGURE_SUFFIXES``.
+        ModuleNotFoundError: if matplotlib is not installed, saying how to install it.
+    """
+    output = Path(output)
+    if output.suffix.lower() not in FIGURE_SUFFIXES:
+        raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")
+    run = read_trace(run_path, "RUN")
+    reference = read_trace(reference_path, "REFERENCE")
+    comparison = compare_traces(run, reference, rtol, atol)
+    if not comparison.steps:
+        raise ValueError(
+            f"The traces share no step: {str(run_path)!r} holds steps {min(run)}..{max(run)}, {str(reference_path)!r}"
+            f" holds {min(reference)}..{max(reference)}. Are they from the same configuration?"
+        )
+    try:
+        import matplotlib
+    except ImportError:  # an optional dependency: the monitor itself never draws
+        raise ModuleNotFoundError(
+            "Drawing traces needs matplotlib: `pip install matplotlib` (the package's `dev` extra has it)."
+        ) from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    run_steps, reference_steps, steps = sorted(run), sorted(reference), comparison.steps
+    run_label, reference_label = f"run: {Path(run_path).name}", f"reference: {Path(reference_path).name}"
+    figure, (loss_axes, delta_axes, count_axes) = plt.subplots(
+        3, 1, sharex=True, figsize=(10, 9), height_ratios=(3, 2, 1.5)
+    )
+    reference_style = {"color": "black", "linewidth": 3.5, "alpha": 0.3}
+    loss_axes.plot(reference_steps, _values(reference, "loss", reference_steps), label=reference_label,
+                   **reference_style)
+    loss_axes.plot(run_steps, _values(run, "loss", run_steps), color="tab:blue", linewidth=1.3, label=run_label)
+    loss_axes.set_ylabel("loss: token mean of the step")
+    loss_axes.set_title(f"{Path(run_path)} against {Path(reference_path)}", fontsize="medium")
+    loss_axes.legend(loc="upper right")
+
+    reference_loss = _values(reference, "loss", steps)
+    # A step that matches exactly (0) has no place on a log scale: left out rather than drawn at a made-up floor.
+    deltas = [abs(a - b) or math.nan for a, b in zip(_values(run, "loss", steps), reference_loss, strict=True)]
+    delta_axes.plot(steps, deltas, color="tab:blue", linewidth=1.3, label="|run loss − reference loss|")
+    tolerance = [atol + rtol * abs(loss) for loss in reference_loss]
+    delta_axes.plot(steps, tolerance, color="grey", linestyle=":", label=f"tolerance {atol:g} + {rtol:g}·|reference|")
+    if any(value > 0 for value in (*deltas, *tolerance)):  # NaN compares False: skipped
+        delta_axes.set_yscale("log")
+    delta_axes.set_ylabel("|Δ loss|")
+    delta_axes.legend(loc="best", fontsize="small")
+
+    count_axes.plot(reference_steps, _values(reference, "global_count", reference_steps), drawstyle="steps-mid",
+                    label=reference_label, **reference_style)
+    count_axes.plot(run_steps, _values(run, "global_count", run_steps), drawstyle="steps-mid", color="tab:blue",
+                    linewidth=1.3, label=run_label)
+    count_axes.set_ylabel("N per step")
+    count_axes.set_xlabel("optimizer step")
+
+    if comparison.divergent_step is not None:
+        for axes in (loss_axes, delta_axes, count_axes):
+            axes.axvline(comparison.divergent_step, color="tab:red", linestyle=":", linewidth=1)
+        delta_axes.annotate(
+            f" first divergent step: {comparison.divergent_step} ({comparison.quantity})",
+            (comparison.divergent_step, 0.85),
+            xycoords=("data", "axes fraction"),
+            color="tab:red",
+            fontsize="small",
+        )
+    figure.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    figure.savefig(output, dpi=110)
+    plt.close(figure)
+    return comparison
+
+
+def _parser() -> argparse.ArgumentParser:
+    def tolerance(text: str) -> float:
+        value = float(text)
+        if not value >= 0:  # also refuses nan
+            raise argparse.ArgumentTypeError(f"must be a number >= 0, got {text!r}")
+        return value
+
+    parser = argparse.ArgumentParser(
+        prog="python -m token_mean.plot",
+        description="Draw a DenominatorMonitor trace against a reference trace: loss, |Δ loss| with the monitor's"
+        " tolerance, the first divergent step, and N per step.",
+    )
+    parser.add_argument("run", metavar="RUN", help="the trace to check (.csv or .jsonl)")
+    parser.add_argument("reference", metavar="REFERENCE", help="the trusted trace to compare it with")
+    parser.add_argument("-o", "--output", help=f"the figure, {'/'.join(FIGURE_SUFFIXES)} (default: RUN as .png)")
+    parser.add_argument("--rtol", type=tolerance, default=DEFAULT_RTOL, help="relative tolerance (the monitor's)")
+    parser.add_argument("--atol", type=tolerance, default=DEFAULT_ATOL, help="absolute tolerance (the monitor's)")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The command line; returns the exit status (argparse exits with 2 itself for bad arguments)."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    output = Path(args.output) if args.output is not None else Path(args.run).with_suffix(".png")
+    if output.suffix.lower() not in FIGURE_SUFFIXES:
+        parser.error(f"-o/--output: {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}")
+    try:
+        comparison = plot_traces(args.run, args.reference, output, rtol=args.rtol, atol=args.atol)
+    except (OSError, ValueError, ImportError) as error:
+        print(f"{parser.prog}: error: {error}", file=sys.stderr)
+        return 1
+    if comparison.divergent_step is None:
+        verdict = f"no divergent step in {len(comparison.steps)} common steps (atol {args.atol:g}, rtol {args.rtol:g})"
+    else:
+        verdict = f"first divergent step {comparison.divergent_step} ({comparison.quantity})"
+    unmatched = [
+        f"{count} step(s) only in {name}"
+        for count, name in ((comparison.only_in_run, "RUN"), (comparison.only_in_reference, "REFERENCE"))
+        if count
+    ]
+    print(f"{output}: {verdict}{'; ' + ', '.join(unmatched) if unmatched else ''}.")
+    return 0
+
+
+__all__ = ["Comparison", "compare_traces", "main", "plot_traces"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())
