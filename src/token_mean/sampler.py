@@ -7,10 +7,10 @@ from collections.abc import Iterator, Sized
 
 import torch
 import torch.distributed as dist
-from torch.utils.data import Sampler
+from torch.utils.data import DistributedSampler
 
 
-class ExactDistributedSampler(Sampler[int]):
+class ExactDistributedSampler(DistributedSampler[int]):
     """Split a map-style dataset over ranks without repeating items.
 
     :class:`torch.utils.data.DistributedSampler` evens the ranks out by repeating items from the start of the
@@ -19,7 +19,10 @@ class ExactDistributedSampler(Sampler[int]):
     lengths differ by at most one item; :class:`~token_mean.TokenMeanDDPStrategy` (``pad_uneven_ranks=True``,
     the default) lets the shorter ranks contribute zero-weight batches, which keeps the objective exact.
 
-    Use it with ``Trainer(use_distributed_sampler=False)`` so that Lightning does not replace it.
+    It is a :class:`~torch.utils.data.DistributedSampler`, so Lightning keeps it as it is under its default
+    ``use_distributed_sampler=True`` (Lightning re-shards any other sampler, which would split the shards again):
+    pass it to your ``DataLoader`` in ``train_dataloader`` (or ``val_dataloader``, for an exact validation mean with
+    :class:`~token_mean.TokenMeanLoss`).
 
     Args:
         dataset: a sized dataset.
@@ -50,24 +53,18 @@ class ExactDistributedSampler(Sampler[int]):
             rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
         if not 0 <= rank < num_replicas:
             raise ValueError(f"`rank` must be in [0, {num_replicas}) for `num_replicas={num_replicas}`, got {rank}.")
-        self.dataset = dataset
-        self.num_replicas = num_replicas
-        self.rank = rank
-        self.shuffle = shuffle
-        self.seed = seed
-        self.epoch = 0
+        super().__init__(dataset, num_replicas=num_replicas, rank=rank, shuffle=shuffle, seed=seed)  # type: ignore[arg-type]
+        # DistributedSampler's own sizes assume padding; this rank's share has no repeats
+        self.num_samples = len(self)
+        self.total_size = len(dataset)
 
     def __iter__(self) -> Iterator[int]:
         if self.shuffle:
             generator = torch.Generator().manual_seed(self.seed + self.epoch)
-            order = torch.randperm(len(self.dataset), generator=generator).tolist()
+            order = torch.randperm(len(self.dataset), generator=generator).tolist()  # type: ignore[arg-type]
         else:
-            order = list(range(len(self.dataset)))
+            order = list(range(len(self.dataset)))  # type: ignore[arg-type]
         return iter(order[self.rank :: self.num_replicas])
 
     def __len__(self) -> int:
-        return max(0, math.ceil((len(self.dataset) - self.rank) / self.num_replicas))
-
-    def set_epoch(self, epoch: int) -> None:
-        """Reshuffle for ``epoch`` (identically on every rank)."""
-        self.epoch = epoch
+        return max(0, math.ceil((len(self.dataset) - self.rank) / self.num_replicas))  # type: ignore[arg-type]
