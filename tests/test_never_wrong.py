@@ -1,0 +1,1138 @@
+"""Issue 10, "never silently wrong": every training setup Lightning accepts is exact under the strategy, or refused
+with the same clear error on every rank.
+
+One section per case of the issue, numbered as there. A supported setup is compared with the plain-torch float64
+reference over the optimizer steps that Lightning's own stepping rule makes of the same per-rank batches (relative
+error < 1e-12), next to a plain ``DDPStrategy`` control that must miss wherever plain DDP's mean of means differs. A
+refused setup must raise a clear error on every rank: each forked worker records what it raised
+(:class:`RecordingTrainer`), and the test reads every rank's message.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import sys
+import time
+import warnings
+from collections.abc import Callable, Iterator, Sequence
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import numpy as np
+import pytest
+import tomllib
+import torch
+from _harness import (
+    CLASSES,
+    EXACT,
+    FEATURES,
+    FORK,
+    MODES,
+    Batch,
+    ListDataset,
+    Recorder,
+    StreamDataset,
+    TokenModule,
+    TokenNet,
+    initial_state,
+    make_batch,
+    make_optimizer,
+    ragged_batches,
+    relative_error,
+    token_loss,
+    windows_of,
+)
+from _monitor_helpers import logged
+from _resume_helpers import PositionLoader, ResumableModule, checkpoint_at, fit_checkpointed
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities import CombinedLoader
+from torch import Tensor
+from torch.utils.data import DataLoader, IterableDataset
+
+from token_mean import (
+    DenominatorMonitor,
+    ExactDistributedSampler,
+    TokenMeanDDPStrategy,
+    TokenMeanLoss,
+    count_valid_labels,
+)
+
+ROOT = Path(__file__).parent.parent
+GLOO_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
+WAIT_FOR_RANKS = 25.0  # seconds a rank that raised waits for the others to finish or raise (> GLOO_TIMEOUT)
+FAST: dict[str, Any] = {**FORK, "timeout": GLOO_TIMEOUT}
+MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
+
+
+def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
+    if mode == "plain":
+        return DDPStrategy(**FAST)
+    return TokenMeanDDPStrategy(mode=mode, **FAST, **kwargs)  # type: ignore[arg-type]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# running forked workers and reading back what each rank did
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RecordingTrainer(pl.Trainer):
+    """A Trainer whose every worker writes ``error{rank}.txt`` (what it raised) or ``done{rank}.txt``.
+
+    Forked workers run ``Trainer._fit_impl`` directly: Lightning calls ``on_exception`` only in the launching process
+    (with the first failed worker's traceback), and stops the other workers as soon as one has failed. So each worker
+    records its own outcome, and a worker that raised waits until every rank has finished or raised.
+    """
+
+    def __init__(self, outcome_dir: Path, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._outcome_dir = outcome_dir
+
+    def _fit_impl(self, *args: Any, **kwargs: Any) -> Any:
+        rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by the launcher before the worker runs this
+        try:
+            result = super()._fit_impl(*args, **kwargs)
+        except BaseException as error:
+            (self._outcome_dir / f"error{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+            deadline = time.monotonic() + WAIT_FOR_RANKS
+            while time.monotonic() < deadline and not all(map(self._settled, range(self.num_devices))):
+                time.sleep(0.05)
+            raise
+        (self._outcome_dir / f"done{rank}.txt").write_text("")
+        return result
+
+    def _settled(self, rank: int) -> bool:
+        return any((self._outcome_dir / f"{outcome}{rank}.txt").exists() for outcome in ("error", "done"))
+
+
+class Summary(Callback):
+    """Rank 0 writes the step count and the strategy's skipped steps at the end of training."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.global_rank == 0:
+            summary = {"global_step": trainer.global_step, "skipped": getattr(trainer.strategy, "skipped_steps", None)}
+            (self.path / "summary.json").write_text(json.dumps(summary))
+
+
+def train(
+    module: pl.LightningModule,
+    strategy: Any,
+    out: Path,
+    devices: int = 2,
+    callbacks: Sequence[Callback] = (),
+    ckpt_path: Path | None = None,
+    **trainer_kwargs: Any,
+) -> None:
+    """Fit in `devices` forked gloo workers; rank 0 writes params.pt, windows.json and summary.json into `out`."""
+    out.mkdir(parents=True, exist_ok=True)
+    settings: dict[str, Any] = {
+        "accelerator": "cpu",
+        "devices": devices,
+        "strategy": strategy,
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "use_distributed_sampler": False,
+        "num_sanity_val_steps": 0,
+        **trainer_kwargs,
+    }
+    trainer = RecordingTrainer(out, callbacks=[Recorder(out), Summary(out), *callbacks], **settings)
+    trainer.fit(module, ckpt_path=ckpt_path)
+
+
+def params_of(out: Path) -> dict[str, Tensor]:
+    params = torch.load(out / "params.pt", weights_only=True)
+    return {k.removeprefix("net."): v for k, v in params.items()}
+
+
+def summary_of(out: Path) -> dict[str, Any]:
+    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
+    return summary
+
+
+def errors_of(out: Path, ranks: int = 2) -> list[str]:
+    """Every rank's error message; fails naming the ranks that did not raise."""
+    missing = {
+        rank: "finished" if (out / f"done{rank}.txt").exists() else "was stopped"
+        for rank in range(ranks)
+        if not (out / f"error{rank}.txt").exists()
+    }
+    assert not missing, f"not every rank raised: {missing}"
+    return [(out / f"error{rank}.txt").read_text() for rank in range(ranks)]
+
+
+def raises_everywhere(out: Path, run: Callable[[], None], ranks: int = 2) -> list[str]:
+    """Run a fit that must fail, and return every rank's error message."""
+    with pytest.raises(Exception):  # noqa: B017 - the launcher re-raises any worker's error as its own type
+        run()
+    return errors_of(out, ranks)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the reference: plain torch, one process, float64; imports nothing from token_mean
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reference_steps(steps: list[list[Batch]]) -> tuple[dict[str, Tensor], list[float]]:
+    """Per optimizer step, the mean loss over every valid token of the step's micro-batches (all ranks).
+
+    Returns the final parameters and each step's global count N; a step with N = 0 changes nothing.
+    """
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    counts: list[float] = []
+    for step_batches in steps:
+        total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
+        counts.append(float(total))
+        if total == 0:
+            continue
+        optimizer.zero_grad()
+        loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}, counts
+
+
+def lightning_steps(data: Sequence[Sequence[Batch | None]], accumulate: int, epochs: int = 1) -> list[list[Batch]]:
+    """Lightning's optimizer steps over per-rank batch lists: a step every K batches and at the longest rank's last
+    batch. A rank that ran out (its zero-weight fillers) and a skipped ``None`` batch add no item."""
+    batches = max(len(rank) for rank in data)
+    return [
+        [batch for rank in data for i in window if i < len(rank) and (batch := rank[i]) is not None]
+        for _ in range(epochs)
+        for window in windows_of(batches, accumulate)
+    ]
+
+
+def assert_exact(out: Path, expected: dict[str, Tensor], what: str = "") -> None:
+    error = relative_error(params_of(out), expected)
+    assert error < EXACT, f"{what}relative parameter error {error:.3e}"
+
+
+def assert_misses(out: Path, expected: dict[str, Tensor]) -> None:
+    error = relative_error(params_of(out), expected)
+    assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
+
+
+def nonempty(batch: Batch) -> Batch:
+    """The batch with at least one valid target, so that a mean loss is never 0/0."""
+    labels = batch["labels"].clone()
+    if not (labels != -100).any():
+        labels.view(-1)[0] = 1
+    return {**batch, "labels": labels}
+
+
+def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
+    return [[nonempty(b) for b in rank] for rank in ragged_batches(ranks, batches, seed=seed)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 1. several training loaders (Lightning's CombinedLoader)
+#
+# Lightning: the combined batch is a dict (or list) of sub-batches. `max_size_cycle` (the default) runs as long as the
+# longest loader and restarts a shorter one with a new `iter()` mid-epoch (here loader "b" of 3 batches restarts at
+# batch 3, inside window [2, 3]); `min_size` stops with the shortest; `max_size` runs as long as the longest and gives
+# None for an exhausted loader.
+# ---------------------------------------------------------------------------------------------------------------
+
+SUB_LOADERS = {"a": 5, "b": 3}  # batches per rank of each loader
+
+
+def parts_of(batch: Any) -> list[Batch]:
+    """The sub-batches of a combined batch exactly as `training_step` receives it (None: an exhausted loader)."""
+    if isinstance(batch, dict) and set(batch) == set(SUB_LOADERS):
+        parts = list(batch.values())
+    elif isinstance(batch, list) and len(batch) == len(SUB_LOADERS):
+        parts = batch
+    else:
+        keys = sorted(batch) if isinstance(batch, dict) else len(batch) if isinstance(batch, list) else None
+        raise TypeError(f"not the combined batch: a {type(batch).__name__} ({keys})")
+    return [part for part in parts if part is not None]
+
+
+def merge(parts: list[Batch]) -> Batch:
+    """The sub-batches' tokens as one sequence: the per-token model gives the same loss sum."""
+    x = torch.cat([part["x"].reshape(-1, FEATURES) for part in parts]).unsqueeze(0)
+    labels = torch.cat([part["labels"].reshape(-1) for part in parts]).unsqueeze(0)
+    return {"x": x, "labels": labels}
+
+
+def count_combined(batch: Any) -> int:
+    return sum(int((part["labels"] != -100).sum()) for part in parts_of(batch))
+
+
+class SeveralLoaders(TokenModule):
+    def __init__(self, loaders: dict[str, list[list[Batch]]], shape: str, combined_mode: str | None) -> None:
+        super().__init__([[]])
+        self.loaders = loaders
+        self.shape = shape
+        self.combined_mode = combined_mode
+        self.returned: Any = None
+
+    def training_step(self, batch: Any, batch_idx: int) -> Tensor:
+        return token_loss(self.net, merge(parts_of(batch)))
+
+    def train_dataloader(self) -> Any:
+        rank = self.global_rank
+        loaders = {name: DataLoader(ListDataset(data[rank]), batch_size=None) for name, data in self.loaders.items()}
+        self.returned = loaders if self.shape == "dict" else list(loaders.values())
+        if self.combined_mode is None:
+            return self.returned
+        return CombinedLoader(self.returned, self.combined_mode)
+
+
+def several_loaders_data(seed: int = 31) -> dict[str, list[list[Batch]]]:
+    return {name: ragged(2, length, seed + index) for index, (name, length) in enumerate(SUB_LOADERS.items())}
+
+
+def combined_per_rank(loaders: dict[str, list[list[Batch]]], combined_mode: str) -> list[list[Batch]]:
+    """What each rank's `training_step` sees as Lightning's CombinedLoader yields it, merged into one batch."""
+    per_rank = []
+    for rank in range(2):
+        sources = [loaders[name][rank] for name in SUB_LOADERS]
+        lengths = [len(source) for source in sources]
+        steps = min(lengths) if combined_mode == "min_size" else max(lengths)
+        per_rank.append([
+            merge([
+                source[i % len(source)] if combined_mode == "max_size_cycle" else source[i]
+                for source in sources
+                if combined_mode == "max_size_cycle" or i < len(source)
+            ])
+            for i in range(steps)
+        ])
+    return per_rank
+
+
+SEVERAL = [  # (train_dataloader returns a dict or a list, CombinedLoader mode or None: Lightning's default)
+    ("dict", None),
+    ("list", None),
+    ("dict", "min_size"),
+    ("dict", "max_size"),
+    ("list", "max_size"),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize(("shape", "combined_mode"), SEVERAL, ids=[f"{s}-{m or 'default'}" for s, m in SEVERAL])
+def test_several_training_loaders(tmp_path: Path, mode: str, shape: str, combined_mode: str | None) -> None:
+    """Exact over the combined batches; `count_fn` raises unless it gets the combined batch `training_step` gets."""
+    if mode == "plain" and (shape, combined_mode) != ("dict", None):
+        pytest.skip("one plain-DDP control is enough")
+    loaders = several_loaders_data()
+    kwargs = {} if mode == "plain" else {"count_fn": count_combined}
+    train(SeveralLoaders(loaders, shape, combined_mode), strategy_for(mode, **kwargs), tmp_path,
+          accumulate_grad_batches=2, max_epochs=2)
+    per_rank = combined_per_rank(loaders, combined_mode or "max_size_cycle")
+    expected, _ = reference_steps(lightning_steps(per_rank, 2, epochs=2))
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+    else:
+        assert_exact(tmp_path, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 2. ExactDistributedSampler under Lightning's default use_distributed_sampler=True
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def items(count: int, seed: int = 41) -> list[Batch]:
+    """One sequence of 4 tokens per item, with its id; mask rates differ from item to item."""
+    generator = torch.Generator().manual_seed(seed)
+    batches = [nonempty(make_batch(generator, 1, 4, keep=0.95 - 0.06 * i)) for i in range(count)]
+    return [{"x": b["x"][0], "labels": b["labels"][0], "id": torch.tensor(i)} for i, b in enumerate(batches)]
+
+
+def item_shards(dataset: list[Batch], batch_size: int = 2) -> list[list[Batch]]:
+    """Rank r trains items r, r + 2, ... in batches of two: each item exactly once."""
+    shards = []
+    for rank in range(2):
+        mine = dataset[rank::2]
+        shards.append([
+            {key: torch.stack([item[key] for item in mine[start : start + batch_size]]) for key in mine[0]}
+            for start in range(0, len(mine), batch_size)
+        ])
+    return shards
+
+
+class SampledModule(TokenModule):
+    def __init__(self, dataset: list[Batch], out: Path) -> None:
+        super().__init__([[]])
+        self.dataset = dataset
+        self.out = out
+        self.seen: list[int] = []
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        if not getattr(self.trainer.strategy, "is_filler_batch", False):
+            self.seen.extend(batch["id"].tolist())
+        return token_loss(self.net, batch)
+
+    def on_train_end(self) -> None:
+        (self.out / f"seen{self.global_rank}.json").write_text(json.dumps(self.seen))
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        sampler = ExactDistributedSampler(self.dataset, shuffle=False)  # type: ignore[arg-type]
+        return DataLoader(self.dataset, batch_size=2, sampler=sampler)  # type: ignore[arg-type]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("count", [12, 13], ids=["even", "uneven"])
+def test_exact_sampler_with_lightnings_default(tmp_path: Path, mode: str, count: int) -> None:
+    """Lightning must not wrap and re-shard the sampler: every item once per epoch, and the exact objective."""
+    if mode == "plain" and count == 13:
+        pytest.skip("plain DDP cannot run ranks of different lengths: the control uses the even split")
+    dataset = items(count)
+    train(SampledModule(dataset, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2,
+          use_distributed_sampler=True)
+    expected, _ = reference_steps(lightning_steps(item_shards(dataset), 2))
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+        return
+    seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2)]
+    assert seen == [list(range(0, count, 2)), list(range(1, count, 2))], "items trained by rank 0 and rank 1"
+    assert_exact(tmp_path, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 3. a loader that refills one batch buffer in place
+#
+# The stream is sized: for an unsized loader Lightning itself fetches one batch ahead, which overwrites the buffer
+# before `training_step` runs even under plain DDP.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RefilledBuffer(IterableDataset[Batch]):
+    """Yields the same tensors every time, refilled in place (pinned ring buffers, some streaming readers)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        buffer = {key: torch.empty_like(value) for key, value in self.batches[0].items()}
+        for batch in self.batches:
+            for key, value in batch.items():
+                buffer[key].copy_(value)
+            yield buffer
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class BufferModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(RefilledBuffer(self.data[self.global_rank]), batch_size=None)
+
+
+def same_shape_batches(seed: int = 51) -> list[list[Batch]]:
+    """6 batches of 2 × 4 tokens per rank with very different numbers of valid targets."""
+    generator = torch.Generator().manual_seed(seed)
+    keeps = ((0.95, 0.2, 0.6, 0.9, 0.3, 0.7), (0.3, 0.9, 0.15, 0.5, 0.95, 0.4))
+    return [[nonempty(make_batch(generator, 2, 4, keep)) for keep in rank] for rank in keeps]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_buffer_refilled_in_place(tmp_path: Path, mode: str) -> None:
+    """Deferred is exact; lookahead is exact or refuses on every rank pointing to `mode='deferred'`; never silently
+    wrong."""
+    data = same_shape_batches()
+    expected, _ = reference_steps(lightning_steps(data, 3))
+    try:
+        train(BufferModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+    except Exception:
+        if mode != "lookahead":
+            raise
+        for message in errors_of(tmp_path):
+            assert message.startswith("DenominatorError") and "mode='deferred'" in message, message
+        return
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+    else:
+        assert_exact(tmp_path, expected, f"{mode} finished: ")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 4. a None batch
+#
+# Lightning (training_epoch_loop.advance) warns and runs no training_step for it, but still counts it as ready: it
+# zeroes gradients at the first batch of a window (batch_idx % K == 0) and steps at the batch where ready % K == 0
+# or the last one. A None at a window's stepping batch therefore makes no step, and the next window's first batch
+# zeroes the gradient: that window is lost, with plain DDP too. (A None at a window's first batch skips that
+# zero_grad, so plain DDP adds the previous window's gradient to the next step; not tested here.)
+# ---------------------------------------------------------------------------------------------------------------
+
+NONE_CASES = [
+    # (name, K, batches per rank, None cells (rank, batch), batch indices of windows Lightning drops, epochs)
+    ("inside-a-window-on-one-rank", 3, 6, [(1, 1)], [], 1),
+    ("ends-a-window-on-every-rank", 3, 6, [(0, 2), (1, 2)], [0, 1, 2], 1),
+    ("ends-the-epoch-on-every-rank", 2, 5, [(0, 4), (1, 4)], [4], 2),
+]
+
+
+class NoneModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(ListDataset(self.data[self.global_rank]), batch_size=None)  # None passes through as is
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize(
+    ("name", "k", "batches", "cells", "dropped", "epochs"), NONE_CASES, ids=[case[0] for case in NONE_CASES]
+)
+def test_none_batch(
+    tmp_path: Path, mode: str, name: str, k: int, batches: int, cells: list[tuple[int, int]], dropped: list[int],
+    epochs: int,
+) -> None:
+    if mode == "plain" and name != NONE_CASES[0][0]:
+        pytest.skip("one plain-DDP control is enough")
+    data: list[list[Any]] = [list(rank) for rank in ragged(2, batches, seed=61)]
+    for rank, index in cells:
+        data[rank][index] = None
+    train(NoneModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=k, max_epochs=epochs)
+    kept = [window for window in windows_of(batches, k) if window[0] not in dropped]
+    steps = [
+        [b for rank in data for i in window if (b := rank[i]) is not None] for _ in range(epochs) for window in kept
+    ]
+    expected, _ = reference_steps(steps)
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+        return
+    assert_exact(tmp_path, expected)
+    assert summary_of(tmp_path)["global_step"] == len(steps)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 5. training_step(self, dataloader_iter): refused at fit start
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class IteratorStep(TokenModule):
+    def __init__(self, data: list[list[Batch]], out: Path) -> None:
+        super().__init__(data)
+        self.out = out
+
+    def training_step(self, dataloader_iter: Iterator[Any]) -> Tensor:  # type: ignore[override]
+        (self.out / f"trained{self.global_rank}.txt").write_text("")
+        batch, _, _ = next(dataloader_iter)
+        return token_loss(self.net, batch)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_dataloader_iter_is_refused_at_fit_start(tmp_path: Path, mode: str) -> None:
+    module = IteratorStep(ragged(2, 4, seed=71), tmp_path)
+    errors = raises_everywhere(tmp_path, lambda: train(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2))
+    for message in errors:
+        assert "dataloader_iter" in message, message
+    assert not list(tmp_path.glob("trained*.txt")), "training_step ran before the refusal"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 6. a callback that iterates trainer.train_dataloader mid-epoch
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class PeekAtTheLoader(Callback):
+    """Takes a sample batch from the training loader at batch 1 (to log it, say): harmless under plain DDP."""
+
+    def __init__(self, ranks: tuple[int, ...]) -> None:
+        self.ranks = ranks
+
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if batch_idx == 1 and trainer.global_rank in self.ranks:
+            next(iter(trainer.train_dataloader))  # type: ignore[call-overload]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("ranks", [(0, 1), (0,)], ids=["all-ranks", "rank-0"])
+@pytest.mark.parametrize("iterable", [False, True], ids=["map-style", "iterable"])
+def test_callback_iterates_the_train_dataloader(
+    tmp_path: Path, mode: str, ranks: tuple[int, ...], iterable: bool
+) -> None:
+    if mode == "plain" and (ranks, iterable) != ((0,), True):
+        pytest.skip("one plain-DDP control is enough")
+    data = ragged(2, 6, seed=81)
+    train(TokenModule(data, iterable=iterable), strategy_for(mode), tmp_path, accumulate_grad_batches=3,
+          max_epochs=2, callbacks=[PeekAtTheLoader(ranks)])
+    expected, _ = reference_steps(lightning_steps(data, 3, epochs=2))
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+    else:
+        assert_exact(tmp_path, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 7. fillers: rank 0 has 5 batches, rank 1 has 3 and repeats a batch at weight zero for batches 3 and 4
+# ---------------------------------------------------------------------------------------------------------------
+
+FILLER_LENGTHS = (5, 3)
+FILLER_K = 2
+
+
+def filler_flag(trainer: pl.Trainer) -> Any:
+    return getattr(trainer.strategy, "is_filler_batch", "missing")
+
+
+class FillerModule(TokenModule):
+    """Records `is_filler_batch` in training_step, and updates a TokenMeanLoss there as a user would."""
+
+    def __init__(self, data: list[list[Batch]], iterable: bool, out: Path) -> None:
+        super().__init__(data, iterable=iterable)
+        self.out = out
+        self.train_loss = TokenMeanLoss()
+        self.steps: list[dict[str, Any]] = []
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        loss = token_loss(self.net, batch)
+        count = count_valid_labels(batch)
+        self.train_loss.update(loss, count)
+        self.steps.append({
+            "batch_idx": batch_idx, "filler": filler_flag(self.trainer), "loss": float(loss.detach()),
+            "count": int(count),
+        })
+        return loss
+
+    def on_train_end(self) -> None:
+        value = float(self.train_loss.compute())  # every rank: compute() sums the states over the ranks
+        record = {"training_step": self.steps, "metric": value}
+        (self.out / f"steps{self.global_rank}.json").write_text(json.dumps(record))
+
+
+class FillerFlags(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.flags: dict[str, list[Any]] = {"on_train_batch_start": [], "on_train_batch_end": []}
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.flags["on_train_batch_start"].append(filler_flag(trainer))
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        self.flags["on_train_batch_end"].append(filler_flag(trainer))
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.out / f"flags{trainer.global_rank}.json").write_text(json.dumps(self.flags))
+
+
+def filler_data() -> list[list[Batch]]:
+    data = ragged(2, max(FILLER_LENGTHS), seed=91)
+    return [rank[:length] for rank, length in zip(data, FILLER_LENGTHS, strict=True)]
+
+
+@pytest.fixture(scope="module")
+def filler_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool], Path]:
+    """The output folder of one run per (mode, iterable) with uneven ranks, made on first use."""
+    runs: dict[tuple[str, bool], Path] = {}
+
+    def run(mode: str, iterable: bool) -> Path:
+        if (mode, iterable) not in runs:
+            out = tmp_path_factory.mktemp(f"fillers-{mode}-{'iterable' if iterable else 'sized'}")
+            monitor = DenominatorMonitor(logging_interval=1)
+            logger = CSVLogger(out, name="logs", version=0)
+            train(FillerModule(filler_data(), iterable, out), strategy_for(mode), out,
+                  accumulate_grad_batches=FILLER_K, callbacks=[FillerFlags(out), monitor], logger=logger)
+            runs[mode, iterable] = out
+        return runs[mode, iterable]
+
+    return run
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_filler_flag_in_batch_hooks(filler_run: Callable[[str, bool], Path], mode: str, iterable: bool) -> None:
+    out = filler_run(mode, iterable)
+    for rank, length in enumerate(FILLER_LENGTHS):
+        expected = [index >= length for index in range(max(FILLER_LENGTHS))]
+        steps = json.loads((out / f"steps{rank}.json").read_text())["training_step"]
+        flags = json.loads((out / f"flags{rank}.json").read_text())
+        assert [step["filler"] for step in steps] == expected, f"rank {rank}: is_filler_batch in training_step"
+        for hook, seen in flags.items():
+            assert seen == expected, f"rank {rank}: is_filler_batch in {hook}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_token_mean_loss_ignores_fillers(filler_run: Callable[[str, bool], Path], mode: str, iterable: bool) -> None:
+    """The metric updated in training_step equals the token mean of the losses of the real micro-batches."""
+    out = filler_run(mode, iterable)
+    records = [json.loads((out / f"steps{rank}.json").read_text()) for rank in range(2)]
+    real = [
+        step
+        for rank, record in enumerate(records)
+        for step in record["training_step"]
+        if step["batch_idx"] < FILLER_LENGTHS[rank]
+    ]
+    expected = math.fsum(step["loss"] * step["count"] for step in real) / math.fsum(step["count"] for step in real)
+    for rank, record in enumerate(records):
+        assert abs(record["metric"] - expected) <= EXACT * abs(expected), f"rank {rank}: {record['metric']} {expected}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_monitor_counts_ignore_fillers(filler_run: Callable[[str, bool], Path], mode: str, iterable: bool) -> None:
+    """Passes on the branch point already (the monitor reads the strategy's window): guards it."""
+    out = filler_run(mode, iterable)
+    data = filler_data()
+    rank_counts = [
+        [sum(float((rank[i]["labels"] != -100).sum()) for i in window if i < len(rank)) for rank in data]
+        for window in windows_of(max(FILLER_LENGTHS), FILLER_K)
+    ]
+    metrics = logged(out)
+    assert sorted(metrics) == list(range(len(rank_counts)))
+    for step, counts in enumerate(rank_counts):
+        got = metrics[step]
+        assert got["global_count"] == sum(counts), f"step {step}"
+        assert (got["rank_count_min"], got["rank_count_max"]) == (min(counts), max(counts)), f"step {step}"
+        assert got["rank_count_mean"] == pytest.approx(sum(counts) / 2, rel=EXACT), f"step {step}"
+    assert_exact(out, reference_steps(lightning_steps(data, FILLER_K))[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8. the Python floor is what CI runs
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_python_floor_is_what_ci_runs() -> None:
+    """The code uses `BaseException.add_note` (3.11+); CI runs 3.11 only."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert project["requires-python"] == ">=3.11"
+    assert sys.version_info >= (3, 11)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 9. Lightning's loader checks see the user's DataLoader
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LoaderIdentity(Callback):
+    """Each rank writes whether `trainer.train_dataloader` is a DataLoader and the object `train_dataloader()` made."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.seen: list[dict[str, bool]] = []
+
+    def _look(self, trainer: pl.Trainer, pl_module: Any) -> None:
+        loaders, returned = trainer.train_dataloader, pl_module.returned
+        if isinstance(returned, dict):
+            found = loaders if isinstance(loaders, dict) else {}
+            pairs = [(found.get(name), mine) for name, mine in returned.items()]
+        else:
+            pairs = [(loaders, returned)]
+        self.seen.append({
+            "is_dataloader": all(isinstance(loader, DataLoader) for loader, _ in pairs),
+            "is_the_users": all(loader is mine for loader, mine in pairs),
+        })
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._look(trainer, pl_module)
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
+        self._look(trainer, pl_module)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        (self.out / f"loaders{trainer.global_rank}.json").write_text(json.dumps(self.seen))
+
+
+class OneLoader(TokenModule):
+    returned: Any = None
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        self.returned = super().train_dataloader()
+        return self.returned
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("loaders", ["one", "several"])
+def test_train_dataloader_is_the_users_dataloader(tmp_path: Path, mode: str, loaders: str) -> None:
+    """Plain DDP passes: it shows what the strategy must keep."""
+    if loaders == "one":
+        module: TokenModule = OneLoader(ragged(2, 4, seed=101))
+        kwargs: dict[str, Any] = {}
+    else:
+        module = SeveralLoaders(several_loaders_data(), "dict", None)
+        kwargs = {} if mode == "plain" else {"count_fn": count_combined}
+    train(module, strategy_for(mode, **kwargs), tmp_path, accumulate_grad_batches=2,
+          callbacks=[LoaderIdentity(tmp_path)])
+    for rank in range(2):
+        seen = json.loads((tmp_path / f"loaders{rank}.json").read_text())
+        assert seen and all(s["is_dataloader"] for s in seen), f"rank {rank}: not a DataLoader during fit"
+        assert all(s["is_the_users"] for s in seen), f"rank {rank}: not the loader train_dataloader() returned"
+
+
+class CatchWarnings(Callback):
+    """Rank 0 writes the warnings raised between `setup` and `on_train_start`, where Lightning checks the loaders."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._catcher: Any = None
+        self._caught: list[warnings.WarningMessage] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")  # also what pyproject's filterwarnings ignores
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            (self.out / "warnings.json").write_text(json.dumps([str(w.message) for w in self._caught]))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_lightnings_worker_warning_is_kept(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`num_workers=0` gets Lightning's "does not have many workers" warning, as under plain DDP (which passes).
+
+    Lightning suggests workers only when the machine has cores to spare (`suggested_max_num_workers`): pretend it
+    does, so that the warning is due on any machine.
+    """
+    from lightning.pytorch.trainer.connectors import data_connector
+
+    monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda local_world_size: 4)
+    train(TokenModule(ragged(2, 2, seed=111)), strategy_for(mode), tmp_path, callbacks=[CatchWarnings(tmp_path)])
+    caught = json.loads((tmp_path / "warnings.json").read_text())
+    assert any("'train_dataloader' does not have many workers" in message for message in caught), caught
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 10. diagnoses that name the likely cause
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def count_every_token(batch: Batch) -> Tensor:
+    """Disagrees with the model's mask: counts the targets the loss ignores too."""
+    return (batch["labels"] >= -100).sum()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_mask_disagreeing_with_count_fn_blames_count_fn(tmp_path: Path, mode: str) -> None:
+    """A micro-batch counted as holding items whose loss is 0/0: the mask disagrees, the model did not diverge."""
+    data = ragged(2, 4, seed=121)
+    data[1][1] = {**data[1][1], "labels": torch.full_like(data[1][1]["labels"], -100)}
+    strategy = strategy_for(mode, count_fn=count_every_token)
+    module = TokenModule(data)
+    errors = raises_everywhere(tmp_path, lambda: train(module, strategy, tmp_path, accumulate_grad_batches=2))
+    for message in errors:
+        assert message.startswith("DenominatorError"), message
+        assert "count_fn" in message, message
+        assert "learning rate" not in message, message
+
+
+def with_count(generator: torch.Generator, count: int, rows: int = 4, length: int = 8) -> Batch:
+    x = torch.randn(rows, length, FEATURES, generator=generator, dtype=torch.float64)
+    labels = torch.randint(0, CLASSES, (rows * length,), generator=generator)
+    labels[count:] = -100
+    return {"x": x, "labels": labels.view(rows, length)}
+
+
+NUM_ITEMS_COUNT = 23  # rank 1's first micro-batch: 23 valid targets, and its training_step says 24
+
+
+def one_more_item_on_rank_one(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+    import torch.distributed as dist
+
+    count = int((batch["labels"] != -100).sum())
+    return {"loss": loss, "num_items": count + 1 if dist.get_rank() == 1 else count}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_num_items_mismatch_without_count_fn(tmp_path: Path) -> None:
+    """Lookahead with the default count: the advice must not be to drop a `count_fn` nobody passed.
+
+    Only lookahead: in deferred mode without `count_fn`, 'num_items' is the count and nothing can disagree.
+    """
+    generator = torch.Generator().manual_seed(131)
+    data = [[with_count(generator, c) for c in counts] for counts in ((17, 30, 9, 26), (NUM_ITEMS_COUNT, 12, 28, 5))]
+    module = TokenModule(data, output_fn=one_more_item_on_rank_one)
+    errors = raises_everywhere(
+        tmp_path, lambda: train(module, strategy_for("lookahead"), tmp_path, accumulate_grad_batches=2)
+    )
+    for message in errors:
+        assert message.startswith("DenominatorError"), message
+        assert "drop `count_fn`" not in message, message
+        for number in (NUM_ITEMS_COUNT, NUM_ITEMS_COUNT + 1):
+            assert re.search(rf"\b{number}(\.0+)?\b", message), f"{number} not named: {message}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 11. counts as users write them: a numpy integer, and count_fn by import path in LightningCLI
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def numpy_count(batch: Batch) -> np.int64:
+    return np.int64(int((batch["labels"] != -100).sum()))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_numpy_integer_count(tmp_path: Path, mode: str) -> None:
+    data = ragged(2, 5, seed=141)
+    kwargs = {} if mode == "plain" else {"count_fn": numpy_count}
+    train(TokenModule(data), strategy_for(mode, **kwargs), tmp_path, accumulate_grad_batches=2)
+    expected, _ = reference_steps(lightning_steps(data, 2))
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+    else:
+        assert_exact(tmp_path, expected)
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("source", ["args", "yaml"])
+def test_count_fn_by_import_path_in_lightning_cli(tmp_path: Path, mode: str, source: str) -> None:
+    """A plain function without a return annotation, named by its import path."""
+    from _never_wrong_cli import CLIModule, count_tokens
+    from lightning.pytorch.cli import LightningCLI
+
+    common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"]
+    if source == "args":
+        args = [
+            "--trainer.strategy=token_mean.TokenMeanDDPStrategy",
+            "--trainer.strategy.count_fn=_never_wrong_cli.count_tokens",
+            f"--trainer.strategy.mode={mode}",
+            *common,
+        ]
+    else:
+        config = tmp_path / "config.yaml"
+        config.write_text(
+            "trainer:\n"
+            "  strategy:\n"
+            "    class_path: token_mean.TokenMeanDDPStrategy\n"
+            "    init_args:\n"
+            "      count_fn: _never_wrong_cli.count_tokens\n"
+            f"      mode: {mode}\n"
+        )
+        args = [f"--config={config}", *common]
+    cli = LightningCLI(CLIModule, run=False, args=args, save_config_callback=None)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, TokenMeanDDPStrategy)
+    assert strategy.count_fn is count_tokens and strategy.mode == mode
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 12. counts too small or too large for float64: refused before the optimizer step, naming the count
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def weighted_count(batch: Batch) -> float:
+    """Float sample weights: the batch's weight per valid target."""
+    return float(batch["weight"]) * float((batch["labels"] != -100).sum())
+
+
+def weighted(data: list[list[Batch]], weight_of: Callable[[int], float]) -> list[list[Batch]]:
+    return [
+        [{**batch, "weight": torch.tensor(weight_of(index), dtype=torch.float64)} for index, batch in enumerate(rank)]
+        for rank in data
+    ]
+
+
+def assert_finite_checkpoints(directory: Path) -> None:
+    paths = sorted(directory.glob("*.ckpt"))
+    assert paths, "no checkpoint was written before the error"
+    for path in paths:
+        state = torch.load(path, weights_only=False, map_location="cpu")
+        for name, value in state["state_dict"].items():
+            assert bool(torch.isfinite(value).all()), f"{path.name}: {name} is not finite"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_subnormal_window_count(tmp_path: Path, mode: str) -> None:
+    """Weights 1e-310 per item in the third window (batches 4 and 5 on both ranks): N is subnormal, P/N overflows."""
+    data = weighted(ragged(2, 8, seed=151), lambda index: 1e-310 if index in (4, 5) else 1.0)
+    checkpoints = ModelCheckpoint(
+        dirpath=tmp_path / "checkpoints", every_n_train_steps=1, save_top_k=-1, save_last=True
+    )
+    strategy = strategy_for(mode, count_fn=weighted_count)
+    errors = raises_everywhere(tmp_path, lambda: train(
+        TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2, enable_checkpointing=True,
+        callbacks=[checkpoints],
+    ))
+    assert_finite_checkpoints(tmp_path / "checkpoints")
+    assert not list((tmp_path / "checkpoints").glob("*step=3*")), "window 3 made an optimizer step"
+    for message in errors:
+        assert message.startswith("DenominatorError"), message
+        assert "count" in message and re.search(r"1(\.\d+)?e-3\d\d|too small|subnormal|overflow", message), message
+        assert "learning rate" not in message, message
+
+
+def huge_count(batch: Batch) -> float:
+    return 1e308
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_window_count_overflows(tmp_path: Path, mode: str) -> None:
+    """4 micro-batches of count 1e308 per window: N overflows to inf. Named as a count problem, not a NaN loss."""
+    strategy = strategy_for(mode, count_fn=huge_count)
+    errors = raises_everywhere(
+        tmp_path, lambda: train(TokenModule(ragged(2, 4, seed=161)), strategy, tmp_path, accumulate_grad_batches=2)
+    )
+    for message in errors:
+        assert message.startswith("DenominatorError"), message  # not a bare OverflowError
+        assert "count" in message and re.search(r"1(\.0+)?e\+308|overflow|too large", message), message
+        assert "learning rate" not in message and "loss of a micro-batch" not in message, message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 13. a mid-epoch checkpoint written under the strategy resumes under plain DDP
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StateRecordingLoader(PositionLoader):
+    """Writes the state Lightning hands to `load_state_dict`."""
+
+    out: Path
+    rank: int
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        (self.out / f"loaded{self.rank}.json").write_text(json.dumps(state_dict))
+        super().load_state_dict(state_dict)
+
+
+class StateRecordingModule(ResumableModule):
+    def __init__(self, data: list[list[Batch]], out: Path) -> None:
+        super().__init__(data, stateful=True)
+        self.out = out
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        loader = StateRecordingLoader(ListDataset(self.data[self.global_rank]))
+        loader.out, loader.rank = self.out, self.global_rank
+        return loader
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_checkpoint_resumes_under_plain_ddp(tmp_path: Path, mode: str) -> None:
+    """7 batches per rank, K = 2: the checkpoint after step 2 is mid-epoch, after 4 batches."""
+    data = ragged(2, 7, seed=171)
+    fit_checkpointed(ResumableModule(data, True), mode, tmp_path / "strategy", epochs=1)
+    out = tmp_path / "plain"
+    train(StateRecordingModule(data, out), strategy_for("plain"), out, accumulate_grad_batches=2,
+          ckpt_path=checkpoint_at(tmp_path / "strategy", 2))
+    for rank in range(2):
+        loaded = json.loads((out / f"loaded{rank}.json").read_text())
+        assert loaded == {"handed_out": 4}, f"rank {rank}: load_state_dict got {loaded}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 14. an IterableDataset whose __len__ overstates what it yields
+# ---------------------------------------------------------------------------------------------------------------
+
+STATED, YIELDED = 20, 12
+
+
+class Overstated(StreamDataset):
+    def __len__(self) -> int:
+        return STATED
+
+
+class OverstatedModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(Overstated(self.data[self.global_rank]), batch_size=None)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("k", [3, 5])
+def test_len_overstates_the_stream(tmp_path: Path, mode: str, k: int) -> None:
+    """Lightning trusts `len()` = 20 (no prefetch) and ends the epoch when the stream does, after 12 batches. With K
+    = 5 the last window [10, 11] never reaches its stepping batch: Lightning makes no step for it (and the next
+    epoch's first batch zeroes its gradient), so plain DDP takes 2 steps per epoch; with K = 3, 4."""
+    data = ragged(2, YIELDED, seed=181)
+    train(OverstatedModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=k, max_epochs=2)
+    windows = [window for window in windows_of(YIELDED, k) if len(window) == k]  # the partial one makes no step
+    steps = [[rank[i] for rank in data for i in window] for _ in range(2) for window in windows]
+    expected, _ = reference_steps(steps)
+    summary = summary_of(tmp_path)
+    assert summary["global_step"] == len(steps), "optimizer steps (plain DDP's count)"
+    if mode == "plain":
+        assert_misses(tmp_path, expected)
+        return
+    assert summary["skipped"] == 0
+    assert_exact(tmp_path, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 15. a mid-epoch resume with another number of processes
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("saved_on", "resumed_on"), [(2, 1), (1, 2)], ids=["2-to-1", "1-to-2"])
+def test_mid_epoch_resume_with_other_process_count(tmp_path: Path, mode: str, saved_on: int, resumed_on: int) -> None:
+    data = ragged(2, 7, seed=191)
+    saved = tmp_path / "saved"
+    if saved_on == 2:
+        fit_checkpointed(ResumableModule(data, True), mode, saved, epochs=1)
+    else:
+        checkpoints = ModelCheckpoint(dirpath=saved / "checkpoints", every_n_train_steps=2, save_top_k=-1)
+        train(ResumableModule(data, True), strategy_for(mode), saved, devices=1, accumulate_grad_batches=2,
+              enable_checkpointing=True, callbacks=[checkpoints])
+    checkpoint = checkpoint_at(saved, 2)  # mid-epoch: 4 of 7 batches
+    out = tmp_path / "resumed"
+    errors = raises_everywhere(out, lambda: train(
+        ResumableModule(data, True), strategy_for(mode), out, devices=resumed_on, accumulate_grad_batches=2,
+        ckpt_path=checkpoint,
+    ), ranks=resumed_on)
+    for message in errors:
+        assert "processes" in message, message
+        assert re.search(rf"\b{saved_on}\b", message) and re.search(rf"\b{resumed_on}\b", message), message
+    assert len(set(errors)) == 1, "the ranks raised different errors"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 16. DenominatorMonitor under plain DDP applies the strategy's count checks
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def bad_on_rank_one(value: float) -> Callable[[Batch], Any]:
+    def count_fn(batch: Batch) -> Any:
+        import torch.distributed as dist
+
+        return value if dist.get_rank() == 1 else (batch["labels"] != -100).sum()
+
+    return count_fn
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("value", [float("nan"), -3.0], ids=["nan", "negative"])
+def test_monitor_under_plain_ddp_checks_counts(tmp_path: Path, value: float) -> None:
+    monitor = DenominatorMonitor(count_fn=bad_on_rank_one(value))
+    errors = raises_everywhere(tmp_path, lambda: train(
+        TokenModule(ragged(2, 4, seed=201)), strategy_for("plain"), tmp_path, accumulate_grad_batches=2,
+        callbacks=[monitor],
+    ))
+    for message in errors:
+        assert message.startswith("DenominatorError"), message
