@@ -63,7 +63,7 @@ def environment(configuration: dict[str, Any]) -> dict[str, Any]:
     except (OSError, subprocess.CalledProcessError):
         commit = "unknown"
     return {
-        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu": cpu,
         "cores": os.cpu_count(),
         "cores_usable": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),

@@ -11,9 +11,11 @@ import torch
 from _harness import TokenModule, ragged_batches
 from _monitor_helpers import trainer_for
 
-import token_mean.callback
+import token_mean._fingerprint
+from token_mean._fingerprint import NORM_ROW
+from token_mean._fingerprint import global_norm as _global_norm
 from token_mean._trace import read_trace
-from token_mean.callback import NORM_ROW, DenominatorMonitor, _global_norm
+from token_mean.callback import DenominatorMonitor
 
 CPU = torch.device("cpu")
 
@@ -49,7 +51,7 @@ def test_global_norm_is_close_to_float64(dtype: torch.dtype, rel: float) -> None
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
 def test_fused_path_of_accelerators(dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     """The `torch._foreach_norm` path that GPUs take, run on the CPU with tensors small enough to add exactly."""
-    monkeypatch.setattr(token_mean.callback, "ROW_NORM_DEVICES", ())
+    monkeypatch.setattr(token_mean._fingerprint, "ROW_NORM_DEVICES", ())
     tensors = some_tensors(dtype, large=False)
     calls = count_elements(monkeypatch)
     norm = _global_norm(tensors, CPU)

@@ -7,6 +7,7 @@ import numbers
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from token_mean._problems import Problem
@@ -45,6 +46,14 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
     return float(value), ""
 
 
+def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, str]:
+    """One count as a float64 scalar on ``device`` (no host sync), or ``(None, what is wrong)`` for a bad type."""
+    count, detail = check_count(value, source)
+    if count is None:
+        return None, detail
+    return torch.as_tensor(count, dtype=torch.float64).to(device, non_blocking=True), ""
+
+
 def read_count(count_fn: CountFn, batch: Any) -> tuple[float, Problem | None, str]:
     """Count one batch on the host: ``(count, problem, this rank's detail)``; never raises (see ``Problem``).
 
@@ -73,4 +82,13 @@ def as_count(value: Any, argument: str) -> Tensor | float:
     return count
 
 
-__all__ = ["IGNORE_INDEX", "CountFn", "as_count", "check_count", "count_valid_labels", "first_labels", "read_count"]
+__all__ = [
+    "IGNORE_INDEX",
+    "CountFn",
+    "as_count",
+    "check_count",
+    "count_valid_labels",
+    "device_count",
+    "first_labels",
+    "read_count",
+]

@@ -4,7 +4,8 @@ Each micro-batch back-propagates its loss sum over D, a stand-in for N/P held on
 N/P, or the first micro-batch's count times K). When the window's last forward is done, its record [count, loss sum,
 problems] starts its all-reduce; the gradient buckets of the last backward wait for it on the device and are
 multiplied by D/N on their way into DDP's SUM all-reduce, so the gradient is exact with no extra pass over it. The
-record is read on the host once, after the last backward.
+record is read on the host once, after the last backward. Nothing is read ahead: a stream (a loader without a
+length) costs one more small collective per window, after the last backward, to agree on whether the epoch goes on.
 """
 
 from __future__ import annotations
@@ -15,19 +16,17 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from token_mean._counting import check_count, first_labels
+from token_mean._counting import device_count, first_labels
 from token_mean._mode import StepOutput, Window, WindowMode
 from token_mean._problems import Problem
 from token_mean._window import (
     COUNT,
-    COUNTED,
-    FIRST,
     LOSS_SUM,
     MICRO,
     MORE,
-    REPORTED,
     Reduced,
     WindowStats,
+    mismatch_slots,
     raise_problems,
     scale_of,
 )
@@ -105,17 +104,15 @@ class Deferred(WindowMode):
             self._reported.append(reported)
             self._counted.append(from_fn)
             first = first_labels(batch)
-            if first is not None:
-                self._first.append(first)
+            self._first.append(self._zero() if first is None else first.to(torch.float64))
         chosen = reported if reported is not None else from_fn  # 'num_items' takes precedence
         return chosen if chosen is not None else self._zero()
 
     def _device_count(self, value: Any, source: str) -> Tensor | None:
-        count, detail = check_count(value, source)
+        count, detail = device_count(value, source, self.world.device)
         if count is None:
             self._flag(Problem.COUNT_FAILED, detail)
-            return None
-        return torch.as_tensor(count, dtype=torch.float64).to(self.world.device, non_blocking=True)
+        return count
 
     def _record(self, window: Window) -> Tensor:
         counts = torch.stack(self._counts)
@@ -129,22 +126,19 @@ class Deferred(WindowMode):
             (COUNT, self._local_count),
             (LOSS_SUM, torch.where(has_items, values, torch.zeros_like(values)).sum()),
         ]
+        finite_loss = torch.isfinite(losses)
         device_flags = [
             (Problem.COUNT_NEGATIVE, (counts < 0).any()),
             (Problem.COUNT_NONFINITE, (~finite).any()),
-            (Problem.BAD_LOSS, (has_items & ~torch.isfinite(values)).any()),
+            (Problem.BAD_LOSS, (has_items & ~finite_loss).any()),
+            # a finite loss times a huge count: the count's fault, not the model's
+            (Problem.COUNT_RANGE, (has_items & finite_loss & ~torch.isfinite(values)).any()),
         ]
         slots = [(MICRO, float(self._real)), *self._length_slots(window.stop - window.start)]
         if self._reported:
             reported, counted = torch.stack(self._reported), torch.stack(self._counted)
-            device_scalars += [(REPORTED, reported.sum()), (COUNTED, counted.sum())]
-            if self._first:
-                device_scalars.append((FIRST, torch.stack(self._first).sum()))
+            device_scalars += mismatch_slots(reported, counted, torch.stack(self._first))
             device_flags.append((self._mismatch, (reported != counted).any()))
-        reader = self.reader
-        assert reader is not None
-        if not reader.sized:  # does the epoch go on? peek one batch ahead
-            slots.append((MORE, float(reader.has_real_from(window.stop))))
         return self._record_tensor(slots, [], device_scalars, device_flags)
 
     @property
@@ -180,11 +174,8 @@ class Deferred(WindowMode):
         where = self._where(step, window)
         lines = self._problems(reduced, check_lengths=True)
         assert self._provisional is not None
-        if global_count > 0 and not math.isfinite(scale_of(1.0, global_count) * self.world.size):
+        if global_count > 0 and not (math.isfinite(global_count) and math.isfinite(scale_of(1.0, global_count))):
             lines.append(f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}")
-        if not self.settings.pad_uneven_ranks and 0 < reduced[MORE] < self.world.size:
-            lines.append(f"{Problem.UNEVEN.what}: the ranks' unsized loaders ended at different batches."
-                         f" Fix: {Problem.UNEVEN.fix}")
         raise_problems(lines, where, self._detail, self.world.rank)
         if global_count > 0:  # the next windows' backward passes use this window's N/P as their D
             self._provisional = torch.full((), global_count / self.world.size, dtype=torch.float64,
@@ -201,13 +192,28 @@ class Deferred(WindowMode):
                 aux_loss=None,
             )
         )
-        new_length = None
+        return stats, self._agree_on_more(window, step)
+
+    def _agree_on_more(self, window: Window, step: str) -> int | None:
+        """A stream (no length, or an IterableDataset's): does any rank have a batch after this window?
+
+        Peeks one batch ahead and costs one small blocking collective, here, after the window's last backward:
+        peeking before it would let a loader that refills one buffer overwrite the batch still in flight (lookahead
+        reads ahead anyway and carries the answer in its window's record instead).
+        """
         reader = self.reader
         assert reader is not None
-        if not reader.sized and reduced[MORE] > 0:
-            new_length = window.stop + window.accumulate
-            reader.length = new_length
-        return stats, new_length
+        if reader.sized:
+            return None
+        more = reader.has_real_from(window.stop)
+        ranks_with_more = self._reduce(self._record_tensor([(MORE, float(more))], problems=[]))[MORE]
+        if not self.settings.pad_uneven_ranks and 0 < ranks_with_more < self.world.size:
+            lines = [f"{Problem.UNEVEN.what}: the ranks' loaders ended at different batches. Fix: {Problem.UNEVEN.fix}"]
+            raise_problems(lines, self._where(step, window), "", self.world.rank)
+        if ranks_with_more == 0:
+            return None
+        reader.length = window.stop + window.accumulate
+        return reader.length
 
     # checkpointing: D only changes rounding, but restoring it keeps a resumed run bitwise identical
     def provisional(self) -> float | None:

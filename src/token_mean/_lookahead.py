@@ -22,14 +22,12 @@ from token_mean._reader import Entry
 from token_mean._window import (
     AUX_SUM,
     COUNT,
-    COUNTED,
-    FIRST,
     LOSS_SUM,
     MICRO,
     MORE,
-    REPORTED,
     Reduced,
     WindowStats,
+    mismatch_slots,
     raise_problems,
     scale_of,
 )
@@ -168,7 +166,10 @@ class Lookahead(WindowMode):
                     self._weights, dtype=torch.float64, device=self.world.device
                 )
                 device_scalars.append((LOSS_SUM, weighted.sum()))
-                device_flags.append((Problem.BAD_LOSS, ~torch.isfinite(weighted).all()))
+                finite_loss = torch.isfinite(torch.stack(self._losses))
+                device_flags.append((Problem.BAD_LOSS, ~finite_loss.all()))
+                # a finite loss times a huge count: the count's fault, not the model's
+                device_flags.append((Problem.COUNT_RANGE, (finite_loss & ~torch.isfinite(weighted)).any()))
             if self._aux:
                 aux = torch.stack(self._aux).to(torch.float64)
                 device_scalars.append((AUX_SUM, aux.sum()))
@@ -178,14 +179,13 @@ class Lookahead(WindowMode):
                 reported = torch.stack(
                     [torch.as_tensor(value, dtype=torch.float64).to(device) for value, _, _ in self._num_items]
                 )
-                counted = [count for _, count, _ in self._num_items]
-                slots.append((COUNTED, sum(counted)))
-                device_scalars.append((REPORTED, reported.sum()))
-                firsts = [first for _, _, first in self._num_items if first is not None]
-                if firsts:
-                    device_scalars.append((FIRST, torch.stack(firsts).sum()))
-                counted_tensor = torch.tensor(counted, dtype=torch.float64, device=device)
-                device_flags.append((self._mismatch, (reported != counted_tensor).any()))
+                counted = torch.tensor([count for _, count, _ in self._num_items], dtype=torch.float64, device=device)
+                first = torch.stack([
+                    torch.zeros((), device=device) if first is None else first.to(device, torch.float64)
+                    for _, _, first in self._num_items
+                ])
+                device_scalars += mismatch_slots(reported, counted, first)
+                device_flags.append((self._mismatch, (reported != counted).any()))
         return self._record_tensor(slots, [], device_scalars, device_flags)
 
     def _accept(self, reduced: Reduced, window: Window, lines: list[str], where: str) -> None:

@@ -9,7 +9,7 @@ raises the same :class:`DenominatorError` on every rank.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,11 +25,10 @@ from token_mean._window import (
     LENGTH_SQUARED,
     MORE,
     RECORD_SIZE,
-    SLOTS,
     Exchange,
     Reduced,
     WindowStats,
-    build_record,
+    make_record,
     raise_problems,
 )
 
@@ -176,28 +175,16 @@ class WindowMode(ABC):
         self,
         slots: list[tuple[int, float]],
         problems: list[Problem],
-        device_scalars: list[tuple[int, Tensor]] = (),  # type: ignore[assignment]
-        device_flags: list[tuple[Problem, Tensor]] = (),  # type: ignore[assignment]
+        device_scalars: Sequence[tuple[int, Tensor]] = (),
+        device_flags: Sequence[tuple[Problem, Tensor]] = (),
     ) -> Tensor:
-        """A record from host values (one host-to-device copy) and device values (never read on the host here)."""
-        host = [0.0] * SLOTS
-        for slot, value in slots:
-            host[slot] = value
         flags = list(self._flags)
         for problem in problems:
             flags[PROBLEMS.index(problem)] = 1.0
-        values = torch.tensor(host + flags, dtype=torch.float64).to(self.world.device, non_blocking=True)
-        scalars, flag_tensor = values[:SLOTS], values[SLOTS:]
-        if device_scalars:
-            index = torch.tensor([slot for slot, _ in device_scalars], device=self.world.device)
-            scalars = scalars.index_add(0, index, torch.stack([value.to(torch.float64) for _, value in device_scalars]))
-        if device_flags:
-            index = torch.tensor([PROBLEMS.index(problem) for problem, _ in device_flags], device=self.world.device)
-            raised = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
-            raised_flags = torch.zeros_like(flag_tensor).index_add(0, index, raised).clamp(max=1)
-            flag_tensor = torch.maximum(flag_tensor, raised_flags)
-        rank_slot = self.world.rank if self.track_rank_counts else None
-        return build_record(scalars, flag_tensor, self.world.rank, rank_slot, self.world.size)
+        return make_record(
+            slots, flags, device_scalars, device_flags, self.world.device, self.world.rank, self.world.size,
+            self.track_rank_counts,
+        )
 
     def _start_exchange(self, record: Tensor) -> Exchange:
         return Exchange(record, self.world.group, self.world.distributed)

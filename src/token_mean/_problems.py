@@ -33,7 +33,8 @@ class Problem(Enum):
         "check the weights or mask that `count_fn` sums.",
     )
     COUNT_RANGE = (
-        "the window's total count N is outside what float64 can normalize by (1/N or N itself is not finite)",
+        "the window's total count N is too small or too large for float64 to normalize by (1/N or N itself"
+        " overflows)",
         "rescale the sample weights that `count_fn` sums (for example divide them by their mean); integer token"
         " counts never reach this.",
     )
@@ -42,10 +43,11 @@ class Problem(Enum):
         "return the micro-batch's loss (a tensor, or a dict with a 'loss' key) from every `training_step`.",
     )
     BAD_LOSS = (
-        "the loss of a micro-batch that the count says holds valid items is NaN or infinite",
-        "if the loss averages over fewer items than the count (0/0 = NaN when it sees none), make the count"
-        " match the loss's own mask (shifted labels? another ignore_index?); otherwise the model diverged: lower"
-        " the learning rate or clip gradients.",
+        "the loss of a micro-batch that the count says holds valid items is NaN or infinite (or count × loss"
+        " overflows float64)",
+        "if the loss averages over fewer items than `count_fn` counts (its mean is 0/0 = NaN when it sees none),"
+        " make `count_fn` count exactly what the loss's own mask keeps (labels shifted inside the model? another"
+        " ignore_index?); if the loss is NaN on valid items, check the inputs and the model's numerics.",
     )
     BAD_AUX_LOSS = (
         "the 'aux_loss' of a micro-batch is NaN or infinite",

@@ -10,6 +10,7 @@ added when something asked for them (:class:`~token_mean.DenominatorMonitor` doe
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,11 +22,12 @@ from token_mean._problems import PROBLEMS, DenominatorError, Problem
 
 # The scalar slots of a record, in order. COUNT and MICRO belong to the window whose counts the record announces
 # (lookahead: the next window; deferred: this one); the others to the window that just ended. REPORTED, COUNTED and
-# FIRST sum, over micro-batches that returned a 'num_items', that number, the count, and the valid labels in the
-# first position of a row (what a model that shifts labels never predicts), so that a mismatch is explained with the
-# same numbers on every rank.
-COUNT, MICRO, LOSS_SUM, AUX_SUM, LENGTH, LENGTH_SQUARED, MORE, REPORTED, COUNTED, FIRST = range(10)
-SLOTS = 10
+# FIRST sum, over micro-batches whose 'num_items' disagrees with the count, that number, the count, and the valid
+# labels in the first position of a row (what a model that shifts labels never predicts), so that a mismatch is
+# explained with the same numbers on every rank.
+# NAIVE is only measured by DenominatorMonitor under plain DDP: the sum of Lightning's loss / K per micro-batch.
+COUNT, MICRO, LOSS_SUM, AUX_SUM, LENGTH, LENGTH_SQUARED, MORE, REPORTED, COUNTED, FIRST, NAIVE = range(11)
+SLOTS = 11
 FLAGS = SLOTS  # then one slot per problem: the number of ranks that had it
 RANK_SUMS = FLAGS + len(PROBLEMS)  # then one per problem: the sum of 2**rank over those ranks below NAMED_RANKS
 NAMED_RANKS = 52
@@ -139,6 +141,37 @@ def build_record(
     return torch.cat(parts)
 
 
+def make_record(
+    slots: Sequence[tuple[int, float]],
+    flags: Sequence[float],
+    device_scalars: Sequence[tuple[int, Tensor]],
+    device_flags: Sequence[tuple[Problem, Tensor]],
+    device: torch.device,
+    rank: int,
+    world_size: int,
+    rank_counts: bool,
+) -> Tensor:
+    """One rank's record from host values (one host-to-device copy) and device values (never read on the host).
+
+    ``slots`` and ``device_scalars`` fill scalar slots, ``flags`` are host-side problems (0/1 per problem) and
+    ``device_flags`` problems decided on the device; ``rank_counts`` adds the per-rank count block.
+    """
+    host = [0.0] * SLOTS
+    for slot, value in slots:
+        host[slot] = value
+    values = torch.tensor(host + list(flags), dtype=torch.float64).to(device, non_blocking=True)
+    scalars, flag_tensor = values[:SLOTS], values[SLOTS:]
+    if device_scalars:
+        index = torch.tensor([slot for slot, _ in device_scalars], device=device)
+        scalars = scalars.index_add(0, index, torch.stack([value.to(torch.float64) for _, value in device_scalars]))
+    if device_flags:
+        index = torch.tensor([PROBLEMS.index(problem) for problem, _ in device_flags], device=device)
+        raised = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
+        raised_flags = torch.zeros_like(flag_tensor).index_add(0, index, raised).clamp(max=1)
+        flag_tensor = torch.maximum(flag_tensor, raised_flags)
+    return build_record(scalars, flag_tensor, rank, rank if rank_counts else None, world_size)
+
+
 @dataclass(frozen=True)
 class Reduced:
     """A window's record summed over ranks, on the host."""
@@ -173,7 +206,7 @@ class Reduced:
     def num_items_note(self) -> str:
         """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
         reported, counted, first = self.values[REPORTED], self.values[COUNTED], self.values[FIRST]
-        note = f" (over all ranks: 'num_items' sums to {reported:g}, the count to {counted:g}"
+        note = f" (over the micro-batches that disagree: 'num_items' sums to {reported:g}, the count to {counted:g}"
         if first > 0 and counted - reported == first:
             note += (
                 f"; the count is higher by exactly the {first:g} valid labels in the first position of a row: the"
@@ -185,6 +218,15 @@ class Reduced:
         """All ranks ran windows of one length exactly when Σl² = (Σl)²/P (integers, exact in float64)."""
         total, squares = self.values[LENGTH], self.values[LENGTH_SQUARED]
         return squares * world_size == total * total
+
+
+def mismatch_slots(reported: Tensor, counted: Tensor, first: Tensor) -> list[tuple[int, Tensor]]:
+    """REPORTED, COUNTED and FIRST over the micro-batches whose 'num_items' and count disagree (on the device)."""
+    disagree = reported != counted
+    return [
+        (slot, torch.where(disagree, values, torch.zeros_like(values)).sum())
+        for slot, values in ((REPORTED, reported), (COUNTED, counted), (FIRST, first.to(reported.dtype)))
+    ]
 
 
 def raise_problems(lines: list[str], where: str, local_detail: str, rank: int) -> None:
@@ -207,4 +249,14 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = ["Exchange", "Problem", "Reduced", "WindowStats", "build_record", "raise_problems", "scale_of"]
+__all__ = [
+    "Exchange",
+    "Problem",
+    "Reduced",
+    "WindowStats",
+    "build_record",
+    "make_record",
+    "mismatch_slots",
+    "raise_problems",
+    "scale_of",
+]

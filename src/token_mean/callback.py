@@ -1,17 +1,19 @@
-"""DenominatorMonitor: log what denominator each optimizer step used, and catch a run drifting from a reference."""
+"""DenominatorMonitor: log what denominator each optimizer step used, and catch a run drifting from a reference.
+
+The callback only wires Lightning's hooks to three small parts: the window's numbers (the strategy's ``last_window``,
+or ``_measure.MeasuredWindow`` under plain DDP), the step's fingerprints (``_fingerprint``) and the comparison with a
+reference trace (``_compare``), written with ``_trace``.
+"""
 
 from __future__ import annotations
 
 import math
 import os
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
@@ -19,63 +21,15 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from token_mean._counting import CountFn, as_count, count_valid_labels
-from token_mean._trace import COMPARED_COLUMNS, TraceRow, TraceWriter, read_trace, trace_format
+from token_mean._compare import Divergence, DivergenceError, TraceComparison
+from token_mean._counting import CountFn, count_valid_labels
+from token_mean._fingerprint import global_norm, grad_norm
+from token_mean._measure import MeasuredWindow
+from token_mean._trace import TraceWriter, trace_format
 from token_mean._window import WindowStats
 
 OnDivergence = Literal["warn", "raise", "log"]
 LossReduction = Literal["mean", "sum"]
-
-COUNT_RTOL = 1e-9
-"""N is compared almost exactly: a different count is never numerics, it is different data or a different count."""
-
-_CAUSES = {
-    "global_count": (
-        "a different N at the same step means different data (order, sharding, batch size, drop_last) or a different"
-        " count definition (`count_fn`, ignore index)"
-    ),
-    "loss": (
-        "the same N with a different loss means a different loss definition or numerics (precision, kernels), or"
-        " parameters that already differed (compare the previous step's param fingerprint)"
-    ),
-    "grad_norm": (
-        "the same N and loss with a different gradient means a different objective: e.g. plain DDP averaging"
-        " per-rank means over uneven ranks, or Lightning dividing a short last window by the full"
-        " `accumulate_grad_batches` (use `TokenMeanDDPStrategy`); otherwise different numerics"
-    ),
-    "param_norm": (
-        "the same N, loss and gradient with different parameters after the update means a different optimizer,"
-        " learning rate, scheduler or gradient clipping"
-    ),
-}
-
-NORM_ROW = 1024
-"""Elements per partial norm of a CPU tensor's fingerprint (see ``_global_norm``)."""
-ROW_NORM_DEVICES = ("cpu",)
-"""Device types whose fingerprints are taken row by row instead of with the fused ``torch._foreach_norm``."""
-
-
-class DivergenceError(RuntimeError):
-    """Raised by ``DenominatorMonitor(on_divergence="raise")`` at the first step that diverges from its reference."""
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """The first quantity of one optimizer step that differs from the reference trace.
-
-    Attributes:
-        step: the optimizer step's 0-based index (the ``step`` its metrics are logged under).
-        quantity: the trace column that differs: ``global_count``, ``loss``, ``grad_norm`` or ``param_norm``.
-        value: the value in this run (``None`` where it was undefined).
-        reference: the value in the reference trace.
-        message: says which quantity diverged, both values and the likely cause.
-    """
-
-    step: int
-    quantity: str
-    value: float | None
-    reference: float | None
-    message: str
 
 
 class DenominatorMonitor(Callback):
@@ -225,7 +179,8 @@ class DenominatorMonitor(Callback):
         self._count_fn: CountFn = count_valid_labels
         self._loss_reduction: LossReduction = "mean"
         self._uses_strategy = False
-        self._reference: dict[int, TraceRow] | None = None
+        self._reference: TraceComparison | None = None
+        self._window: MeasuredWindow | None = None
         self._writer: TraceWriter | None = None
         self._warned_missing_window = False
         self._warned_past_reference = False
@@ -253,7 +208,9 @@ class DenominatorMonitor(Callback):
         self._loss_reduction = self._loss_reduction_arg or (
             strategy_reduction if strategy_reduction in ("mean", "sum") else "mean"
         )
-        self._reference = None if self._reference_path is None else read_trace(self._reference_path)
+        self._reference = (
+            None if self._reference_path is None else TraceComparison(self._reference_path, self._rtol, self._atol)
+        )
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -263,33 +220,16 @@ class DenominatorMonitor(Callback):
         self._warned_past_reference = False
         self._reset_window()
         if self._reference is not None:
-            self._check_reference_length(trainer)
+            self._reference.check_length(trainer.global_step, trainer.estimated_stepping_batches)
         if self._record_path is not None and trainer.is_global_zero:
             self._writer = TraceWriter(self._record_path)
         # Only rank zero writes the trace, but every rank compares (see the class docstring).
         self._fingerprints = self._writer is not None or self._reference is not None
 
-    def _check_reference_length(self, trainer: Trainer) -> None:
-        assert self._reference is not None
-        total = trainer.estimated_stepping_batches
-        if not math.isfinite(total):
-            return  # an unsized loader: steps missing from the trace are reported when they happen
-        expected = range(trainer.global_step, int(total))
-        steps = list(self._reference)
-        if not expected or (steps[-1] == expected[-1] and all(step in self._reference for step in expected)):
-            return
-        raise ValueError(
-            f"The reference trace {os.fspath(self._reference_path or '')!r} covers {len(steps)} optimizer steps"
-            f" ({steps[0]}..{steps[-1]}) but this run takes {len(expected)} (steps"
-            f" {expected.start}..{expected.stop - 1}): it comes from a different configuration. Record the"
-            " reference with the same data, max_steps/max_epochs and global batch per optimizer step."
-        )
-
     # ------------------------------------------------------------------ per micro-batch
 
     def _reset_window(self) -> None:
-        self._window_record: Tensor | None = None  # [count, loss sum, naive loss, failed] on the device, float64
-        self._count_error = ""
+        self._window = None
         self._window_length = 0
         self._window_started_at = 0.0
         self._grad_norm: Tensor | None = None
@@ -308,14 +248,17 @@ class DenominatorMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         if self._fingerprints:
-            self._grad_norm = _grad_norm(pl_module, trainer.strategy.root_device)
+            self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
     @override
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         if not self._uses_strategy:
-            self._measure_micro_batch(trainer, pl_module, outputs, batch)
+            if self._window is None:
+                self._window = MeasuredWindow(self._count_fn, self._loss_reduction, trainer.strategy.root_device)
+            # Lightning divided the closure loss by K under automatic optimization
+            self._window.add(batch, outputs, trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
         self._window_length += 1
         if trainer.global_step == self._step_at_batch_start:
             return  # still accumulating
@@ -330,7 +273,7 @@ class DenominatorMonitor(Callback):
         row = self._trace_row(trainer, pl_module, step, window, grad_norm) if self._fingerprints else None
         if row is not None and self._writer is not None:
             self._writer.write(row)
-        divergence = self._compare(step, row) if row is not None and self._reference is not None else None
+        divergence = self._compare(step, row) if row is not None else None
 
         metrics = _window_metrics(window, elapsed, naive_loss)
         log_now = self._should_log(trainer, step)
@@ -351,76 +294,21 @@ class DenominatorMonitor(Callback):
             else:
                 rank_zero_info(divergence.message)
 
-    def _measure_micro_batch(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any) -> None:
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        if not isinstance(loss, Tensor):
-            return  # a skipped micro-batch (training_step returned None): no gradient, so no items either
-        device = trainer.strategy.root_device
-        try:
-            count = torch.as_tensor(as_count(self._count_fn(batch), "count_fn"), dtype=torch.float64, device=device)
-        except Exception as error:
-            if trainer.world_size == 1:
-                raise
-            # Raising here alone would leave the other ranks waiting in the window's all_gather: flag it instead.
-            self._count_error = self._count_error or f"{type(error).__name__}: {error}"
-            count = torch.zeros((), dtype=torch.float64, device=device)
-        naive = loss.detach().reshape(()).to(device=device, dtype=torch.float64)
-        # Lightning divided the closure loss by K under automatic optimization; undo it to get the micro-batch's own.
-        scale = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-        own = naive * scale
-        # A micro-batch without valid items has a NaN mean loss (0/0), and NaN * 0 is still NaN.
-        loss_sum = own if self._loss_reduction == "sum" else torch.where(count > 0, own * count, 0.0)
-        failed = torch.ones_like(count) if self._count_error else torch.zeros_like(count)
-        record = torch.stack((count, loss_sum, naive, failed))
-        self._window_record = record if self._window_record is None else self._window_record + record
-
     def _finish_window(self, trainer: Trainer) -> tuple[WindowStats | None, float | None]:
         """The window that just ended, and the loss plain DDP differentiated (``None`` under the strategy)."""
-        if self._uses_strategy:
-            window = getattr(trainer.strategy, "last_window", None)
-            if not isinstance(window, WindowStats) or window is self.last_window:
-                if not self._warned_missing_window:
-                    self._warned_missing_window = True
-                    rank_zero_warn(
-                        f"`{type(trainer.strategy).__name__}` published no `last_window` for optimizer step"
-                        f" {self._step_at_batch_start}; DenominatorMonitor logs nothing for such steps."
-                    )
-                return None, None
-            return window, None
-
-        record = self._window_record
-        if record is None:
-            record = torch.zeros(4, dtype=torch.float64, device=trainer.strategy.root_device)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            # The one collective per optimizer step: 4 float64 numbers per rank.
-            gathered = [torch.empty_like(record) for _ in range(dist.get_world_size())]
-            dist.all_gather(gathered, record)
-            rows: list[list[float]] = torch.stack(gathered).tolist()
-            rank = dist.get_rank()
-        else:
-            rows, rank = [record.tolist()], 0
-        failed_ranks = [index for index, row in enumerate(rows) if row[3]]
-        if failed_ranks:
-            raise TypeError(
-                f"DenominatorMonitor: `count_fn` failed on rank(s) {failed_ranks} in optimizer step"
-                f" {self._step_at_batch_start}{f' (on this rank: {self._count_error})' if self._count_error else ''}."
-                " Pass `DenominatorMonitor(count_fn=...)` returning the number of valid items of one micro-batch,"
-                " e.g. `lambda batch: (batch[1] != -100).sum()` for (inputs, targets) tuples."
-            )
-        rank_counts = tuple(row[0] for row in rows)
-        global_count = math.fsum(rank_counts)
-        loss = math.fsum(row[1] for row in rows) / global_count if global_count > 0 else None
-        naive_loss = math.fsum(row[2] for row in rows) / len(rows)
-        window = WindowStats(
-            global_count=global_count,
-            local_count=rows[rank][0],
-            rank_counts=rank_counts,
-            window_length=self._window_length,
-            loss=loss,
-            skipped=False,
-            mode="measured",
-        )
-        return window, naive_loss
+        if not self._uses_strategy:
+            window = self._window or MeasuredWindow(self._count_fn, self._loss_reduction, trainer.strategy.root_device)
+            return window.finish(self._step_at_batch_start)
+        stats = getattr(trainer.strategy, "last_window", None)
+        if not isinstance(stats, WindowStats) or stats is self.last_window:
+            if not self._warned_missing_window:
+                self._warned_missing_window = True
+                rank_zero_warn(
+                    f"`{type(trainer.strategy).__name__}` published no `last_window` for optimizer step"
+                    f" {self._step_at_batch_start}; DenominatorMonitor logs nothing for such steps."
+                )
+            return None, None
+        return stats, None
 
     # ------------------------------------------------------------------ logging, traces, comparison
 
@@ -437,7 +325,7 @@ class DenominatorMonitor(Callback):
         self, trainer: Trainer, pl_module: LightningModule, step: int, window: WindowStats, grad_norm: Tensor | None
     ) -> dict[str, float | int | None]:
         device = trainer.strategy.root_device
-        param_norm = _global_norm([p.detach() for p in pl_module.parameters()], device)
+        param_norm = global_norm([p.detach() for p in pl_module.parameters()], device)
         nan = torch.tensor(math.nan, dtype=torch.float64, device=device)
         # One device-to-host copy for both fingerprints.
         host = torch.stack([nan if norm is None else norm for norm in (grad_norm, param_norm)]).tolist()
@@ -453,35 +341,18 @@ class DenominatorMonitor(Callback):
             "naive_weight_error": window.naive_weight_error,
         }
 
-    def _compare(self, step: int, row: Mapping[str, float | int | None]) -> Divergence | None:
-        assert self._reference is not None
-        reference = self._reference.get(step)
-        path = os.fspath(self._reference_path or "")
-        if reference is None:
+    def _compare(self, step: int, row: dict[str, float | int | None]) -> Divergence | None:
+        if self._reference is None:
+            return None
+        missing = self._reference.missing(step)
+        if missing is not None:
             if self._on_divergence == "raise":
-                raise DivergenceError(
-                    f"Step {step} is not in the reference trace {path!r} (steps {min(self._reference)}.."
-                    f"{max(self._reference)}): the runs have different lengths. Record the reference with the same"
-                    " configuration."
-                )
+                raise DivergenceError(missing)
             if not self._warned_past_reference:
                 self._warned_past_reference = True
-                rank_zero_warn(f"Step {step} is not in the reference trace {path!r}; such steps are not compared.")
+                rank_zero_warn(f"{missing} Such steps are not compared.")
             return None
-        for column in COMPARED_COLUMNS:
-            value, expected = row[column], reference[column]
-            value = None if value is None else float(value)
-            rtol, atol = (COUNT_RTOL, 0.0) if column == "global_count" else (self._rtol, self._atol)
-            if _close(value, expected, rtol, atol):
-                continue
-            cause = _CAUSES[column]
-            message = (
-                f"DenominatorMonitor: step {step} diverged from the reference trace {path!r}: {column} is {value!r}"
-                f" here but {expected!r} in the reference (tolerance {atol:g} + {rtol:g} × |reference|). Likely"
-                f" cause: {cause}."
-            )
-            return Divergence(step, column, value, expected, message)
-        return None
+        return self._reference.compare(step, row)
 
     @override
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -499,16 +370,6 @@ class DenominatorMonitor(Callback):
         if self._writer is not None:
             self._writer.close()
             self._writer = None
-
-
-def _close(value: float | None, expected: float | None, rtol: float, atol: float) -> bool:
-    if value is None or expected is None:
-        return value is None and expected is None
-    if math.isnan(value) or math.isnan(expected):
-        return math.isnan(value) and math.isnan(expected)
-    if math.isinf(value) or math.isinf(expected):
-        return value == expected
-    return abs(value - expected) <= atol + rtol * abs(expected)
 
 
 def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | None) -> dict[str, float]:
@@ -529,56 +390,6 @@ def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | Non
     if naive_loss is not None:
         metrics["naive_loss"] = naive_loss
     return metrics
-
-
-def _grad_norm(module: torch.nn.Module, device: torch.device) -> Tensor | None:
-    return _global_norm([p.grad.detach() for p in module.parameters() if p.grad is not None], device)
-
-
-def _global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
-    """The L2 norm of all ``tensors`` together, a float64 tensor on ``device``, from one pass over them.
-
-    Norms are taken in each tensor's own precision (float32 for half types, whose own norms would keep three digits)
-    and only the partial norms are combined in float64. On accelerators one fused ``torch._foreach_norm`` per dtype
-    (what ``clip_grad_norm_`` uses) takes all of them; its kernels add partial sums in a tree. The CPU kernel adds a
-    tensor's squares one after the other instead: in float32 the norm of a 1M-element tensor is then ~1e-5 off, by a
-    different amount for nearly equal parameters, which would compare rounding rather than training. On the CPU each
-    tensor is therefore reduced in rows of ``NORM_ROW`` elements (one kernel per tensor, 1e-10 off). ``None``
-    without tensors.
-
-    Example:
-        >>> _global_norm([torch.tensor([3.0, 4.0]), torch.tensor([12.0])], torch.device("cpu"))  # √(3² + 4² + 12²)
-        tensor(13., dtype=torch.float64)
-    """
-    if not tensors:
-        return None
-    squares: list[Tensor] = []
-    fused: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-    for tensor in tensors:
-        if tensor.device.type in ROW_NORM_DEVICES:
-            squares.append(_row_norms(tensor).to(device=device, dtype=torch.float64).square().sum())
-        else:
-            fused.setdefault((tensor.device, tensor.dtype), []).append(tensor)
-    for (_, dtype), group in fused.items():
-        accumulate = _norm_dtype(dtype)
-        # `dtype=` only where needed: it came in 2024 (torch ~2.5), and pyproject allows torch 2.1.
-        norms = torch._foreach_norm(group, 2) if accumulate is None else torch._foreach_norm(group, 2, dtype=accumulate)
-        squares.extend(norm.to(device=device, dtype=torch.float64).square() for norm in norms)
-    return torch.stack(squares).sum().sqrt()
-
-
-def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
-    return torch.float32 if dtype.itemsize < 4 else None
-
-
-def _row_norms(tensor: Tensor) -> Tensor:
-    """Norms of ``NORM_ROW``-element rows of the flattened tensor (views, no copy), and of the remainder."""
-    flat = tensor.reshape(-1)
-    rows = flat.numel() // NORM_ROW
-    dtype = _norm_dtype(tensor.dtype)
-    body: Tensor = torch.linalg.vector_norm(flat[: rows * NORM_ROW].view(rows, NORM_ROW), dim=1, dtype=dtype)
-    tail: Tensor = torch.linalg.vector_norm(flat[rows * NORM_ROW :], dtype=dtype)
-    return torch.cat((body, tail.reshape(1)))
 
 
 __all__ = ["DenominatorMonitor", "Divergence", "DivergenceError"]

@@ -11,6 +11,8 @@ from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
 
+from token_mean._filler import in_filler_batch
+
 _STATES = ("loss_sum", "count")
 
 
@@ -85,11 +87,14 @@ class TokenMeanLoss(Metric):
         """Add a batch: ``value`` is its loss (mean or sum, see ``loss_reduction``), ``weight`` its valid items.
 
         Both may be scalars, or tensors of one shape: one count per loss (e.g. per sequence). An entry whose count is
-        0 adds nothing, whatever its loss.
+        0 adds nothing, whatever its loss. Inside the ``training_step`` of a zero-weight filler (the repeated batch of
+        an exhausted rank under :class:`~token_mean.TokenMeanDDPStrategy`) the update is ignored.
 
         Raises:
             ValueError: if ``weight`` (the count) is missing or its shape differs from the loss's.
         """
+        if in_filler_batch():
+            return  # a repeat of a real batch, already counted once
         if weight is None:
             raise ValueError(
                 "`TokenMeanLoss.update(loss, count)` needs the count of valid items, e.g."

@@ -24,8 +24,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from token_mean._compare import COUNT_RTOL
+from token_mean._compare import close as _close
 from token_mean._trace import COMPARED_COLUMNS, TraceRow, read_trace
-from token_mean.callback import COUNT_RTOL, _close
 
 DEFAULT_RTOL = 1e-4
 """``DenominatorMonitor``'s default ``rtol`` (a test keeps them equal)."""
