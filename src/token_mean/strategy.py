@@ -244,8 +244,8 @@ class TokenMeanDDPStrategy(DDPStrategy):
                 )
 
     @override
-    def _register_ddp_hooks(self) -> None:
-        super()._register_ddp_hooks()
+    def configure_ddp(self) -> None:
+        super().configure_ddp()
         if self._mode_name == "deferred":
             assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
             # Registered on every device type: Lightning only registers `ddp_comm_hook` on CUDA.
