@@ -44,6 +44,8 @@ class DenominatorMonitor(Callback):
     - ``imbalance``: max n_r / mean n_r (1.0 when even);
     - ``naive_weight_error``: max_r \|P·n_r/N − 1\|, how much a plain mean of rank means mis-weights a rank;
     - ``loss``: the exact global token-mean loss of the window, Σ loss sums / N (left out when N = 0);
+    - ``aux_loss``: when ``training_step`` returns an ``"aux_loss"``, its mean over the window's real micro-batches
+      (``loss`` is then the token-mean part alone);
     - ``items_per_sec``: N over the window's wall time, from the start of its first micro-batch to the end of its last
       (loading of the first micro-batch and validation are left out; asynchronous device work may fall in the next
       window);
@@ -385,6 +387,8 @@ def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | Non
     }
     if window.loss is not None:
         metrics["loss"] = window.loss
+    if window.aux_loss is not None:  # `training_step` returned an 'aux_loss': its mean over real micro-batches
+        metrics["aux_loss"] = window.aux_loss
     if elapsed > 0:
         metrics["items_per_sec"] = window.global_count / elapsed
     if naive_loss is not None:
