@@ -623,3 +623,79 @@ def test_yaml_builds_a_class_weighted_count(tmp_path: Path) -> None:
     count = cli.trainer.strategy.count_fn
     assert isinstance(count, ClassWeightedCount) and count.weight.tolist() == [1.0, 2.0, 0.5]
 
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# catching a wrong count definition, two independent ways
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def reporting_num_items(net: nn.Module, batch: Batch) -> dict[str, Tensor]:
+    """A model that also says what its loss averaged over (as Hugging Face's `num_items_in_batch` would)."""
+    return {"loss": net(batch["input_ids"], batch["labels"]), "num_items": (batch["labels"][:, 1:] != -100).sum()}
+
+
+@pytest.mark.distributed
+def test_num_items_names_shifted_labels(tmp_path: Path) -> None:
+    """Lookahead with the default count and a model that reports 'num_items': the error names the cause and fix."""
+    data = causal_lm_batches(2, 4, seed=31)
+    module = ObjectiveModule(TinyCausalLM(), data, reporting_num_items)  # type: ignore[arg-type]
+    hint = r"labels are shifted inside the model; use `count_fn=token_mean.count_shifted_labels`"
+    with pytest.raises(Exception, match=hint):
+        fit(module, TokenMeanDDPStrategy(**FORK), tmp_path, accumulate_grad_batches=2)
+    # the right count agrees with what the model reports: no error, and exact
+    params, _ = fit(module, TokenMeanDDPStrategy(count_fn=count_shifted_labels, **FORK), tmp_path / "right",
+                    accumulate_grad_batches=2)
+    assert params
+
+
+def fit_monitored(
+    tmp_path: Path, data: list[list[Batch]], devices: int, accumulate: int, count_fn: Any = None, **monitor: Any
+) -> Any:
+    from token_mean import DenominatorMonitor
+
+    module = ObjectiveModule(TinyCausalLM(), data, lambda net, b: net(b["input_ids"], b["labels"]))
+    strategy = TokenMeanDDPStrategy(count_fn=count_fn, **FORK) if devices > 1 else "auto"
+    if devices == 1:
+        monitor["count_fn"] = count_fn  # the reference records N with the count the run will use
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=False, accumulate_grad_batches=accumulate,
+        callbacks=[DenominatorMonitor(on_divergence="raise", **monitor)],
+    )
+    trainer.fit(module)
+
+
+@pytest.mark.distributed
+def test_monitor_flags_a_wrong_count_definition_at_step_0(tmp_path: Path) -> None:
+    """A reference from one device without accumulation has the right gradient whatever the count (a mean's count
+    cancels in a single micro-batch): replaying the same global batches on 2 ranks with K = 2 and the default count
+    diverges at step 0, and the message names the count definition; with `count_shifted_labels` (in both runs) it
+    does not diverge."""
+    data = causal_lm_batches(2, 4, seed=41)
+    # the single-device reference sees each optimizer step's 2 x 2 micro-batches as one batch per step
+    merged = [[_concat([data[r][i] for i in window for r in range(2)]) for window in windows_of(4, 2)]]
+    for name, count_fn in (("wrong", count_valid_labels), ("right", count_shifted_labels)):
+        trace = tmp_path / f"ref-{name}.csv"
+        fit_monitored(tmp_path / f"ref-{name}", merged, devices=1, accumulate=1, count_fn=count_fn, record=trace)
+        if name == "wrong":
+            with pytest.raises(Exception, match=r"step 0 diverged[\s\S]*count_shifted_labels"):
+                fit_monitored(tmp_path / name, data, devices=2, accumulate=2, count_fn=count_fn, reference=trace)
+        else:
+            fit_monitored(tmp_path / name, data, devices=2, accumulate=2, count_fn=count_fn, reference=trace,
+                          rtol=1e-9)
+
+
+def _concat(batches: list[Batch]) -> Batch:
+    """Stack micro-batches into one batch, right-padding to the longest sequence."""
+    length = max(b["labels"].shape[1] for b in batches)
+
+    def pad(t: Tensor, value: int) -> Tensor:
+        return F.pad(t, (0, length - t.shape[1]), value=value)
+
+    return {
+        "input_ids": torch.cat([pad(b["input_ids"], PAD_ID) for b in batches]),
+        "attention_mask": torch.cat([pad(b["attention_mask"], 0) for b in batches]),
+        "labels": torch.cat([pad(b["labels"], -100) for b in batches]),
+    }

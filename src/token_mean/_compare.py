@@ -15,7 +15,8 @@ COUNT_RTOL = 1e-9
 _CAUSES = {
     "global_count": (
         "a different N at the same step means different data (order, sharding, batch size, drop_last) or a different"
-        " count definition (`count_fn`, ignore index)"
+        " count definition (`count_fn`: labels shifted inside the model → `count_shifted_labels`, class weights →"
+        " `ClassWeightedCount`, another ignore_index)"
     ),
     "loss": (
         "the same N with a different loss means a count that does not match what the loss averages over (labels"
