@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from token_mean._comm_hook import scaled_allreduce_hook
 from token_mean._counting import device_count, first_labels
 from token_mean._mode import StepOutput, Window, WindowMode
 from token_mean._problems import Problem
@@ -49,6 +50,10 @@ class Deferred(WindowMode):
         self._factor: Tensor | None = None  # D/N of the window whose last backward runs
         self._real = 0
 
+    def attach(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
+        # Registered on every device type: Lightning only registers `ddp_comm_hook` on CUDA.
+        model.register_comm_hook(self, scaled_allreduce_hook)
+
     # -------------------------------------------------------------------------------------------------------
 
     def begin(self, position: int, steps_now: bool, accumulate: int, step: str) -> bool:
@@ -70,6 +75,12 @@ class Deferred(WindowMode):
     def after_forward(self, batch: Any, output: StepOutput, steps_now: bool) -> None:
         window = self.window
         assert window is not None
+        if output.aux_loss is not None:
+            raise ValueError(
+                "token_mean: `training_step` returned an 'aux_loss', which `mode='deferred'` cannot normalize: its"
+                " token scale is only known after the last backward, when both terms already share one gradient"
+                " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
+            )
         window.trained += 1
         count = self._zero() if self._filler else self._count(batch, output)
         loss = None if self._filler else output.loss

@@ -136,6 +136,9 @@ class WindowMode(ABC):
                 reader.length = 0  # an empty epoch on every rank
             # otherwise the end stays unknown until the first window's length is (K may change per epoch)
 
+    def attach(self, model: torch.nn.parallel.DistributedDataParallel) -> None:  # noqa: B027 (a no-op by default)
+        """The DDP-wrapped model is built: install what the mode needs on it (nothing by default)."""
+
     @abstractmethod
     def begin(self, position: int, steps_now: bool, accumulate: int, step: str) -> bool:
         """A micro-batch at ``position`` is about to run its forward; returns whether it is a zero-weight filler.

@@ -17,7 +17,6 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._comm_hook import scaled_allreduce_hook
 from token_mean._counting import CountFn, count_valid_labels
 from token_mean._deferred import Deferred
 from token_mean._filler import filler_batch
@@ -31,6 +30,7 @@ Mode = Literal["lookahead", "deferred"]
 _MODES: tuple[Mode, ...] = ("lookahead", "deferred")
 _LOSS_REDUCTIONS: tuple[LossReduction, ...] = ("mean", "sum")
 _CHECKPOINT_KEY = "token_mean"
+_MODE_CLASSES: dict[Mode, type[WindowMode]] = {"lookahead": Lookahead, "deferred": Deferred}
 
 
 class TokenMeanDDPStrategy(DDPStrategy):
@@ -208,8 +208,7 @@ class TokenMeanDDPStrategy(DDPStrategy):
             distributed=self.world_size > 1 and dist.is_available() and dist.is_initialized(),
         )
         settings = Settings(self.count_fn, self._count_fn is not None, self._loss_reduction, self._pad_uneven_ranks)
-        mode_class = Lookahead if self._mode_name == "lookahead" else Deferred
-        self._mode = mode_class(world, settings)
+        self._mode = _MODE_CLASSES[self._mode_name](world, settings)
         self._mode.track_rank_counts = self._track_rank_counts
         super().setup(trainer)  # wraps the model in DDP, which registers the mode's gradient hook
         self._check_setup(trainer)
@@ -246,10 +245,8 @@ class TokenMeanDDPStrategy(DDPStrategy):
     @override
     def configure_ddp(self) -> None:
         super().configure_ddp()
-        if self._mode_name == "deferred":
-            assert isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-            # Registered on every device type: Lightning only registers `ddp_comm_hook` on CUDA.
-            self.model.register_comm_hook(self._mode, scaled_allreduce_hook)
+        assert self._mode is not None and isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
+        self._mode.attach(self.model)
 
     def _on_setup_data(self, loaders: list[Any], local_length: int | None) -> None:
         """Lightning sized the epoch from this rank's loaders: every rank takes the longest (one all-reduce)."""
@@ -287,12 +284,6 @@ class TokenMeanDDPStrategy(DDPStrategy):
         batch = args[0] if args else kwargs.get("batch")
         mode.after_forward(batch, output, steps_now)
         self._aux_loss = output.aux_loss
-        if output.aux_loss is not None and self._mode_name == "deferred":
-            raise ValueError(
-                "token_mean: `training_step` returned an 'aux_loss', which `mode='deferred'` cannot normalize: its"
-                " token scale is only known after the last backward, when both terms already share one gradient"
-                " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
-            )
         return output.returned  # type: ignore[no-any-return]
 
     def _module(self) -> pl.LightningModule:
