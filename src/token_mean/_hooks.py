@@ -305,7 +305,7 @@ class TokenMeanHooks(ParallelStrategy):
             state["provisional"] = mode.provisional()
         reader = None if mode is None else mode.reader
         if reader is not None and reader.stateful:
-            local = {"loaders": reader.consumed_state(), "exhausted": reader.exhausted}
+            local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
             state["loader_ranks"] = gather_objects(local, self.world_size) if self._distributed() else [local]
         checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
