@@ -52,6 +52,9 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
     - The strategy relies on FSDP2's default mean: a module with ``set_gradient_divide_factor`` or sharded over
       another number of ranks than the data-parallel size is an error in ``setup``.
 
+    Unlike under DDP, a ``training_step`` that returns no loss raises at once on its own rank (FSDP2 cannot be kept
+    in step without the forward's outputs), and the other ranks fail after the process group's ``timeout``.
+
     Per window this costs what the DDP strategy costs (one all-reduce of a small record, over the data-parallel
     group, read on the host once after the last backward), plus the tensor-parallel count check above and, in
     deferred mode, the multiplication of the local gradient shards.
@@ -162,6 +165,17 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
         with torch.no_grad():
             for (device, dtype), shards in local.items():
                 torch._foreach_mul_(shards, correction.to(device=device, dtype=dtype))
+
+    @override
+    def _stand_in_loss(self) -> Tensor:
+        # Under DDP a zero touching every parameter keeps this rank in step until the window's collective; FSDP2's
+        # reduce-scatter is only triggered through the forward's outputs, which the strategy does not have, so
+        # the other ranks would wait for it. Fail here, with the reason, instead of hanging silently.
+        raise ValueError(
+            f"token_mean: `training_step` returned no loss (None, or a dict without 'loss') on rank {self.global_rank}"
+            f" under `{type(self).__name__}`. FSDP2 needs every rank's backward, so the other ranks now wait until"
+            " the process group's `timeout`. Return the micro-batch's loss from every `training_step`."
+        )
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
