@@ -151,10 +151,19 @@ class Recorder(Callback):
             self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts or ())})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # sharded parameters (DTensors under ModelParallelStrategy) are gathered on every rank: a collective
+        state = {k: full_tensor(v) for k, v in pl_module.state_dict().items()}
         if trainer.global_rank == 0:
-            state = {k: v.detach().cpu() for k, v in pl_module.state_dict().items()}
             torch.save(state, self.path / "params.pt")
             (self.path / "windows.json").write_text(json.dumps(self.windows))
+
+
+def full_tensor(value: Tensor) -> Tensor:
+    """The whole tensor on the CPU: a DTensor's shards gathered (on every rank of its mesh), a plain tensor as is."""
+    from torch.distributed.tensor import DTensor
+
+    whole = value.full_tensor() if isinstance(value, DTensor) else value
+    return whole.detach().cpu()
 
 
 def fit(
@@ -162,9 +171,11 @@ def fit(
     strategy: Any,
     tmp_path: Path,
     devices: int = 2,
+    ckpt_path: Path | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
-    """Train with `devices` forked gloo processes; returns rank 0's final parameters and window stats."""
+    """Train with `devices` forked gloo processes (resuming from `ckpt_path` if given); returns rank 0's final
+    parameters and window stats."""
     trainer_kwargs.setdefault("max_epochs", 1)
     tmp_path.mkdir(parents=True, exist_ok=True)
     callbacks = [Recorder(tmp_path), *trainer_kwargs.pop("callbacks", [])]
@@ -181,7 +192,7 @@ def fit(
         num_sanity_val_steps=0,
         **trainer_kwargs,
     )
-    trainer.fit(module)
+    trainer.fit(module, ckpt_path=ckpt_path)
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     windows = json.loads((tmp_path / "windows.json").read_text())
     return {k.removeprefix("net."): v for k, v in params.items()}, windows

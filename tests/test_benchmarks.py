@@ -65,3 +65,12 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert all(r["peak_rss_mib"] > 0 for r in rows)
     collectives = payload["collectives_gloo_2proc"]
     assert isinstance(collectives, dict) and collectives["all_gather_record_us"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_model_parallel_quick(tmp_path: Path) -> None:
+    payload = run_script("model_parallel", tmp_path)
+    for key in ("ratio_lookahead", "ratio_deferred"):
+        value = payload[key]
+        assert isinstance(value, float) and value > 0, (key, value)

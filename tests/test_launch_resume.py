@@ -338,6 +338,25 @@ def test_resume_after_a_rank_ran_out(tmp_path: Path, mode: str) -> None:
     assert relative_error(resumed, expected) < EXACT
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_resume_when_read_ahead_reached_a_rank_end(tmp_path: Path, mode: str) -> None:
+    """Shards of 7 and 5 batches, K = 3, checkpointed after step 1: lookahead has read rank 1's batches 3 and 4 and
+    hit its end, but Lightning has not trained them. The resumed rank 1 must train them at full weight (it once
+    restored itself as exhausted and trained fillers instead)."""
+    data = ragged_batches(2, 7, seed=31)
+    data[1] = data[1][:5]
+    expected, counts = reference(data, constant(3))
+    fit_checkpointed(ResumableModule(data, True), mode, tmp_path / "full", accumulate=3, epochs=1, every=1)
+    checkpoint = checkpoint_at(tmp_path / "full", 1)
+    resumed = fit_checkpointed(
+        ResumableModule(data, True), mode, tmp_path / "resumed", ckpt_path=checkpoint, accumulate=3, epochs=1
+    )
+    windows = json.loads((tmp_path / "resumed" / "windows.json").read_text())
+    assert [w["global_count"] for w in windows] == counts[1:], "the resumed run trained on other batches"
+    assert relative_error(resumed, expected) < EXACT
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a rank that leaves: rank 1 dies or stalls at batch 1 (inside the first window, K = 3)
 # ---------------------------------------------------------------------------------------------------------------

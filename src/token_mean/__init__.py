@@ -1,10 +1,11 @@
 """Exact global token-mean gradients for Lightning DDP with gradient accumulation.
 
 ``TokenMeanDDPStrategy`` makes each optimizer step follow the mean loss over all valid items of the step (all ranks,
-all micro-batches); ``DenominatorMonitor`` logs the denominator each step used and flags divergence from a reference
-run; ``TokenMeanLoss`` is the exact token-weighted validation loss; ``ExactDistributedSampler`` shards without
-repeating items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``count_examples``,
-``count_sequences``, ``ClassWeightedCount``) and the sequence-level helpers live in :mod:`token_mean.counts`.
+all micro-batches), and ``TokenMeanModelParallelStrategy`` does the same under FSDP2 and tensor parallelism;
+``DenominatorMonitor`` logs the denominator each step used and flags divergence from a reference run;
+``TokenMeanLoss`` is the exact token-weighted validation loss; ``ExactDistributedSampler`` shards without repeating
+items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``count_examples``, ``count_sequences``,
+``ClassWeightedCount``) and the sequence-level helpers live in :mod:`token_mean.counts`.
 """
 
 from token_mean._problems import DenominatorError
@@ -21,6 +22,7 @@ from token_mean.counts import (
     sequence_token_sums,
 )
 from token_mean.metrics import TokenMeanLoss
+from token_mean.model_parallel import TokenMeanModelParallelStrategy
 from token_mean.sampler import ExactDistributedSampler
 from token_mean.strategy import TokenMeanDDPStrategy
 
@@ -34,6 +36,7 @@ __all__ = [
     "ExactDistributedSampler",
     "TokenMeanDDPStrategy",
     "TokenMeanLoss",
+    "TokenMeanModelParallelStrategy",
     "WindowStats",
     "count_examples",
     "count_sequences",

@@ -14,6 +14,7 @@ import math
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from token_mean._comm_hook import scaled_allreduce_hook
@@ -91,13 +92,27 @@ class Deferred(WindowMode):
         self._counts.append(count)
         self._losses.append(self._zero() if loss is None else loss.detach())
         if self._provisional is None:  # the first window of the run: D from its first micro-batch, on the device
-            self._provisional = torch.clamp(count * window.accumulate, min=1.0)
+            self._provisional = self._first_provisional(count * window.accumulate)
         has_items = count > 0
         items = count if self.settings.loss_reduction == "mean" else has_items.to(count.dtype)
         self._micro_scale = (items * (window.accumulate / self._provisional), has_items)
         if steps_now:
             window.stop = window.start + window.trained
             self._exchange = self._start_exchange(self._record(window))
+
+    def _first_provisional(self, estimate: Tensor) -> Tensor:
+        """D for the run's first window from this rank's estimate of N/P (its first count times K).
+
+        Where gradients are averaged before any per-rank factor (``World.gradients_averaged``), every rank must
+        divide by the same D: the estimates are averaged over the ranks, one SUM all-reduce of one float, once per
+        run (and not after a resume, which restores D). Under DDP the comm hook applies each rank's own D/N.
+        """
+        world = self.world
+        if world.gradients_averaged and world.distributed:
+            estimate = estimate.clone()
+            dist.all_reduce(estimate, group=world.group)
+            estimate = estimate / world.size
+        return torch.clamp(estimate, min=1.0)
 
     def _zero(self) -> Tensor:
         return torch.zeros((), dtype=torch.float64, device=self.world.device)
@@ -144,6 +159,7 @@ class Deferred(WindowMode):
             (Problem.BAD_LOSS, (has_items & ~finite_loss).any()),
             # a finite loss times a huge count: the count's fault, not the model's
             (Problem.COUNT_RANGE, (has_items & finite_loss & ~torch.isfinite(values)).any()),
+            *self._replica_flags(valid),
         ]
         slots = [(MICRO, float(self._real)), *self._length_slots(window.stop - window.start)]
         if self._reported:
@@ -174,6 +190,14 @@ class Deferred(WindowMode):
             ratio = self._provisional / global_count
             self._factor = torch.where(global_count > 0, ratio, torch.zeros_like(ratio))
         return self._factor
+
+    def gradient_correction(self) -> Tensor | None:
+        """P·D/N on the device: gradients averaged over P ranks hold Σ∇(loss sums)/(P·D); one multiplication of the
+        local gradient (or shard) by this makes them Σ∇(loss sums)/N. Waits for the exchange on the device only."""
+        if self._exchange is None or self._provisional is None:
+            return None  # no window is open: nothing to correct
+        factor = self.gradient_factor()
+        return factor * self.world.size if isinstance(factor, Tensor) else None
 
     def finish(self, step: str) -> tuple[WindowStats, int | None]:
         window, exchange = self.window, self._exchange

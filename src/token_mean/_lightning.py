@@ -67,6 +67,24 @@ def has_loader_states_to_load(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._combined_loader_states_to_load)
 
 
+def checkpoint_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
+    """The loader states a checkpoint will hand the fit loop on resume (rank 0's), or None when it holds none.
+
+    Relies on: ``FitLoop.on_save_checkpoint`` stores them as ``checkpoint["loops"]["fit_loop"]["state_dict"]
+    ["combined_loader"]`` and ``FitLoop.on_load_checkpoint`` reads them from there during ``restore_loops``. For
+    strategies that restore after setup (``ModelParallelStrategy``), ``strategy.load_checkpoint`` returns this dict
+    before the loops are restored, so replacing the entry there is the way to give each rank its own position.
+    """
+    fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
+    states = fit_state.get("combined_loader")
+    return states if states else None
+
+
+def replace_checkpoint_loader_states(checkpoint: dict[str, Any], states: list[dict[str, Any]]) -> None:
+    """Make the fit loop resume this rank's loaders from ``states`` (see :func:`checkpoint_loader_states`)."""
+    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+
+
 def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
     """Make Lightning's epoch ``length`` batches long (None: unsized), as every rank agreed.
 
@@ -156,9 +174,11 @@ class _ReadCombinedLoader(CombinedLoader):
 __all__ = [
     "_DataLoaderIterDataFetcher",
     "batch_position",
+    "checkpoint_loader_states",
     "epoch_position",
     "has_loader_states_to_load",
     "read_through",
+    "replace_checkpoint_loader_states",
     "resize_epoch",
     "set_epoch_length",
     "set_loader_states_to_load",

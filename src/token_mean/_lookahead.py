@@ -159,6 +159,9 @@ class Lookahead(WindowMode):
         slots = [(COUNT, count), (MICRO, real), (MORE, more)]
         device_scalars: list[tuple[int, Tensor]] = []
         device_flags: list[tuple[Problem, Tensor]] = []
+        if entries and self.world.replica_group is not None:
+            counts = torch.tensor([0.0 if entry.filler else entry.count for entry in entries], dtype=torch.float64)
+            device_flags += self._replica_flags(counts)
         if window is not None:
             slots += self._length_slots(window.stop - window.start)
             if self._losses:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from token_mean._counting import CountFn
@@ -37,13 +38,23 @@ LossReduction = Literal["mean", "sum"]
 
 @dataclass(frozen=True)
 class World:
-    """The ranks that share one denominator, and where their collective tensors live."""
+    """The ranks that share one denominator, and where their collective tensors live.
+
+    ``size`` and ``rank`` count the ranks that hold different batches (the data-parallel ones); ``group`` reduces the
+    window's record over them. ``replica_group`` is set where other ranks train on this rank's very batches (the
+    tensor-parallel group of a device mesh): they must count exactly the same items.
+    """
 
     size: int
     rank: int
     device: torch.device
     group: Any | None  # None: the default process group
     distributed: bool
+    replica_group: Any | None = None  # None: no other rank holds this rank's batches
+    # True where the ranks' gradients are averaged with no hook of the mode in the reduction (FSDP2's
+    # reduce-scatter): a scale that differs between ranks cannot be undone afterwards, so any provisional scale must
+    # be the same on every rank, and the final one comes from `WindowMode.gradient_correction`.
+    gradients_averaged: bool = False
 
 
 @dataclass(frozen=True)
@@ -159,6 +170,13 @@ class WindowMode(ABC):
         """After the window's last backward: its stats (or the same error on every rank), and the epoch's new end
         for an unsized loader (None: unchanged)."""
 
+    def gradient_correction(self) -> Tensor | None:
+        """After the window's last backward, before ``finish``: the factor by which gradients that were *averaged*
+        over the world's ranks, with no hook of this mode in their reduction, still differ from the window's exact
+        gradient (None: they are exact already). Called by strategies whose reduction the mode cannot hook (FSDP2).
+        """
+        return None
+
     def _counter(self) -> Callable[[Any], tuple[float, Problem | None, str]] | None:
         return None  # deferred counts after forward; lookahead overrides
 
@@ -188,6 +206,21 @@ class WindowMode(ABC):
             slots, flags, device_scalars, device_flags, self.world.device, self.world.rank, self.world.size,
             self.track_rank_counts,
         )
+
+    def _replica_flags(self, counts: Tensor) -> list[tuple[Problem, Tensor]]:
+        """A device flag: do the ranks holding this rank's batches count each micro-batch of ``counts`` alike?
+
+        Costs one MAX all-reduce of 2 × (micro-batches) float64 over the replica group, only where there is one.
+        Exact for any float count: the group agrees exactly when max(n) = -max(-n) for every micro-batch. The flag is
+        computed alike on every replica and travels in the window's record, so every rank raises.
+        """
+        group = self.world.replica_group
+        if group is None:
+            return []
+        both = torch.cat([counts, -counts]).to(device=self.world.device, dtype=torch.float64)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=group)
+        size = counts.numel()
+        return [(Problem.REPLICA_COUNTS_DIFFER, (both[:size] != -both[size:]).any())]
 
     def _start_exchange(self, record: Tensor) -> Exchange:
         return Exchange(record, self.world.group, self.world.distributed)

@@ -72,6 +72,12 @@ class Problem(Enum):
         "the ranks ran accumulation windows of different lengths",
         "give every rank the same number of batches, or keep `pad_uneven_ranks=True`.",
     )
+    REPLICA_COUNTS_DIFFER = (
+        "the ranks of one tensor-parallel group, which train on the same batches, counted different numbers of"
+        " valid items (summing them would over-count the denominator)",
+        "give every rank of a tensor-parallel group the same batches (shard the data by the data-parallel rank, as"
+        " Lightning's sampler under `ModelParallelStrategy` does) and make `count_fn` depend on the batch alone.",
+    )
     NO_BATCH = (
         "the rank's training loader yielded no batch this epoch while others did, so it has nothing to take part"
         " in DDP's backward with",

@@ -151,6 +151,12 @@ class Reader:
         assert self._snapshot is not None
         return self._held[0].state if self._held else self._snapshot()
 
+    @property
+    def consumed_exhausted(self) -> bool:
+        """Whether the loader had run out at the consumed position (see ``consumed_state``): a loader that only
+        ran out while reading ahead still holds real batches for Lightning."""
+        return self.exhausted and (not self._held or self._held[0].entry.filler)
+
     # ---------------------------------------------------------------------------------------------------------
     # the modes' side
     # ---------------------------------------------------------------------------------------------------------

@@ -1,0 +1,192 @@
+"""``TokenMeanModelParallelStrategy``: FSDP2 and tensor parallelism whose step follows the global token mean."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
+from typing_extensions import override
+
+from token_mean import _fsdp, _lightning
+from token_mean._counting import CountFn
+from token_mean._hooks import Mode, TokenMeanHooks
+from token_mean._mode import LossReduction, WindowMode, World
+
+
+class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
+    r"""Lightning's ``ModelParallelStrategy`` (FSDP2 × tensor parallelism) optimizing the mean loss over all valid
+    items of each optimizer step.
+
+    The same objective, modes, counts, errors and :class:`~token_mean.WindowStats` as
+    :class:`~token_mean.TokenMeanDDPStrategy` (see there), on Lightning's ``("data_parallel", "tensor_parallel")``
+    device mesh. You apply the parallelism in ``configure_model`` as for ``ModelParallelStrategy``: tensor
+    parallelism over ``self.device_mesh["tensor_parallel"]``, then ``fully_shard(..., mesh=self.device_mesh[
+    "data_parallel"])``. What differs from DDP:
+
+    - **Whose counts add up.** The ranks of one tensor-parallel group train on the same batches, so N sums the counts
+      over the data-parallel ranks only (P = the data-parallel size): the window's record is all-reduced over the
+      data-parallel group. Summing over all ranks would over-count N by the tensor-parallel size.
+    - **Tensor-parallel ranks must count alike.** Each window, the counts of its micro-batches are compared over the
+      tensor-parallel group (one MAX all-reduce of 2·K float64; exact for any float count; none without tensor
+      parallelism). A difference is a flag in the window's record, so every rank raises the same
+      :class:`~token_mean.DenominatorError` before the optimizer step, instead of silently over-counting. Ranks named
+      in such errors are data-parallel ranks.
+    - **How the scale reaches the gradient.** ``fully_shard`` reduce-scatters every micro-batch's gradient and
+      divides it by P (its default ``gradient_divide_factor``, in any ``reduce_dtype``; Lightning does not use
+      ``no_sync`` here). ``"lookahead"`` scales each micro-batch's loss by K·P·n/N before its backward, as under
+      DDP: FSDP2's mean then gives Σ∇(loss sums)/N exactly, with nothing added to the backward. ``"deferred"``
+      back-propagates loss sums over a provisional D, so the sharded gradients hold Σ∇(loss sums)/(P·D) after the
+      window's last backward; one ``torch._foreach_mul_`` of this rank's local shards by P·D/N (a device tensor
+      that waits for the window's all-reduce on the device: no host read) makes them exact, after the closure and
+      before clipping, AMP's unscale and ``on_before_optimizer_step``. That pass touches 1/P of the gradients.
+      Setting FSDP2's divide factor instead would need N as a host float before every micro-batch's reduce-scatter,
+      which deferred mode does not have: the multiplication is the exact and cheap choice. Because FSDP2 mixes the
+      ranks' gradients before that factor, D must be the same on every rank: the run's first window agrees on it
+      with one all-reduce of one float (later windows use the previous window's N/P, which every rank has).
+    - The strategy relies on FSDP2's default mean: a module with ``set_gradient_divide_factor`` or sharded over
+      another number of ranks than the data-parallel size is an error in ``setup``.
+
+    Unlike under DDP, a ``training_step`` that returns no loss raises at once on its own rank (FSDP2 cannot be kept
+    in step without the forward's outputs), and the other ranks fail after the process group's ``timeout``.
+
+    Per window this costs what the DDP strategy costs (one all-reduce of a small record, over the data-parallel
+    group, read on the host once after the last backward), plus the tensor-parallel count check above and, in
+    deferred mode, the multiplication of the local gradient shards.
+
+    Args:
+        count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`.
+        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
+            (``data_parallel_size``, ``tensor_parallel_size``, ``save_distributed_checkpoint``,
+            ``process_group_backend``, ``timeout``).
+
+    Raises:
+        ValueError: for an unknown ``mode`` or ``loss_reduction`` or a ``count_fn`` that is not callable; in
+            ``setup``, for an FSDP2 module with its own gradient divide factor or sharded over a mesh other than the
+            data-parallel one.
+
+    Example:
+        >>> import lightning.pytorch as pl
+        >>> strategy = TokenMeanModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2, mode="deferred")
+        >>> trainer = pl.Trainer(accelerator="cpu", devices=4, strategy=strategy, accumulate_grad_batches=4,
+        ...                      logger=False, enable_checkpointing=False)
+        >>> trainer = pl.Trainer(strategy="model_parallel_token_mean", accelerator="cpu", devices=2, logger=False,
+        ...                      enable_checkpointing=False)
+    """
+
+    strategy_name = "model_parallel_token_mean"
+
+    def __init__(
+        self,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(count_fn, loss_reduction, mode, pad_uneven_ranks, **kwargs)
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(
+                cls.strategy_name, cls, description="Token-mean ModelParallelStrategy (FSDP2 × tensor parallelism)"
+            )
+
+    @override
+    def _world(self) -> World:
+        mesh = self.device_mesh
+        data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
+        distributed = dist.is_available() and dist.is_initialized()
+        return World(
+            size=data_parallel.size(),
+            rank=data_parallel.get_local_rank(),
+            device=self.root_device,
+            group=data_parallel.get_group() if distributed else None,
+            distributed=distributed and data_parallel.size() > 1,
+            replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
+            gradients_averaged=True,
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_reduction()
+
+    def _check_reduction(self) -> None:
+        """Both modes assume FSDP2 divides every gradient by the data-parallel size P, as it does by default."""
+        assert self.model is not None
+        data_parallel = self.device_mesh["data_parallel"].size()
+        found = list(_fsdp.reductions(self.model))
+        for reduction in found:
+            where = f"`{reduction.module}`" if reduction.module else "the LightningModule"
+            if reduction.divide_factor is not None:
+                raise ValueError(
+                    f"`{type(self).__name__}` applies the global token count itself, relying on FSDP2's default"
+                    f" mean over the {data_parallel} data-parallel ranks, but {where} has"
+                    f" `set_gradient_divide_factor({reduction.divide_factor!r})`. Remove that call."
+                )
+            if reduction.ranks != data_parallel:
+                raise ValueError(
+                    f"`fully_shard` on {where} reduces gradients over {reduction.ranks} ranks, but the data-parallel"
+                    f" dimension of the device mesh has {data_parallel}: pass"
+                    " `mesh=self.device_mesh['data_parallel']` to `fully_shard` in `configure_model`."
+                )
+        if not found and data_parallel > 1:
+            rank_zero_warn(
+                f"`{type(self).__name__}`: no module is wrapped with `fully_shard`, but the data-parallel size is"
+                f" {data_parallel}. The token mean assumes the gradients are averaged over the data-parallel ranks;"
+                " apply `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in `configure_model`."
+            )
+
+    @override
+    def _correct_gradients(self, mode: WindowMode) -> None:
+        correction = mode.gradient_correction()
+        if correction is None:
+            return  # lookahead: the loss scale already made the reduced gradient exact
+        from torch.distributed.tensor import DTensor
+
+        assert self.model is not None
+        local: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+        for parameter in self.model.parameters():
+            grad = parameter.grad
+            if grad is None:
+                continue
+            # FSDP2's (and tensor parallelism's) gradients are DTensors: scale the shard this rank holds, in place
+            shard = grad.to_local() if isinstance(grad, DTensor) else grad
+            local.setdefault((shard.device, shard.dtype), []).append(shard)
+        with torch.no_grad():
+            for (device, dtype), shards in local.items():
+                torch._foreach_mul_(shards, correction.to(device=device, dtype=dtype))
+
+    @override
+    def _stand_in_loss(self) -> Tensor:
+        # Under DDP a zero touching every parameter keeps this rank in step until the window's collective; FSDP2's
+        # reduce-scatter is only triggered through the forward's outputs, which the strategy does not have, so
+        # the other ranks would wait for it. Fail here, with the reason, instead of hanging silently.
+        raise ValueError(
+            f"token_mean: `training_step` returned no loss (None, or a dict without 'loss') on rank {self.global_rank}"
+            f" under `{type(self).__name__}`. FSDP2 needs every rank's backward, so the other ranks now wait until"
+            " the process group's `timeout`. Return the micro-batch's loss from every `training_step`."
+        )
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        # ModelParallelStrategy restores after setup and never calls `load_optimizer_state_dict`: the metadata
+        # returned here is what the loops are restored from next, so this rank's loader position goes in there.
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
+        has_loader_states = _lightning.checkpoint_loader_states(checkpoint) is not None
+        own = self._restore_token_mean_state(checkpoint, has_loader_states)
+        if own is not None:
+            _lightning.replace_checkpoint_loader_states(checkpoint, own)
+        return checkpoint
+
+
+TokenMeanModelParallelStrategy.register_strategies(StrategyRegistry)
