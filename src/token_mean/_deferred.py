@@ -11,6 +11,7 @@ length) costs one more small collective per window, after the last backward, to 
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -250,11 +251,14 @@ class Deferred(WindowMode):
         reader.length = window.stop + window.accumulate
         return reader.length
 
-    # checkpointing: D only changes rounding, but restoring it keeps a resumed run bitwise identical
-    def provisional(self) -> float | None:
-        return None if self._provisional is None else float(self._provisional)
+    # D only changes rounding, but restoring it keeps a resumed run bitwise identical (a host read per checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        provisional = None if self._provisional is None else float(self._provisional)
+        return {**super().state_dict(), "provisional": provisional}
 
-    def restore_provisional(self, value: float | None) -> None:
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        value = state.get("provisional")
         if value is not None:
-            self._provisional = torch.full((), value, dtype=torch.float64, device=self.world.device)
+            self._provisional = torch.full((), float(value), dtype=torch.float64, device=self.world.device)
 

@@ -294,9 +294,7 @@ class TokenMeanHooks(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         mode = self._mode
-        state: dict[str, Any] = {"skipped_steps": 0 if mode is None else mode.skipped_steps}
-        if isinstance(mode, Deferred):
-            state["provisional"] = mode.provisional()
+        state: dict[str, Any] = {} if mode is None else mode.state_dict()
         reader = None if mode is None else mode.reader
         if reader is not None and reader.stateful:
             local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
@@ -311,9 +309,7 @@ class TokenMeanHooks(ParallelStrategy):
         if state is None:
             return None
         if self._mode is not None:
-            self._mode.skipped_steps = int(state.get("skipped_steps", 0))
-            if isinstance(self._mode, Deferred):
-                self._mode.restore_provisional(state.get("provisional"))
+            self._mode.load_state_dict(state)
         ranks = state.get("loader_ranks")
         if ranks is None or not has_loader_states:
             return None

@@ -177,6 +177,13 @@ class WindowMode(ABC):
         """
         return None
 
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the mode (identical on every rank)."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+
     def _counter(self) -> Callable[[Any], tuple[float, Problem | None, str]] | None:
         return None  # deferred counts after forward; lookahead overrides
 
