@@ -1,22 +1,26 @@
-"""Reference vs token-mean vs plain DDP: a prompt-masked language model trained on the Python standard library.
+"""Reference vs token-mean vs plain DDP: the template ``train_masked_lm.py`` trained three ways on the same batches.
 
 A prompt-masked LM should average its loss over the valid target tokens of each optimizer step. With DDP and
 gradient accumulation, Lightning averages per-micro-batch means (÷K) and DDP averages per-rank gradients (÷P), so a
-token in a micro-batch with few targets weighs more than one in a long micro-batch. This script trains the same tiny
-Transformer three times, on exactly the same global batches in the same order, from the same initialization:
+token in a micro-batch with few targets weighs more than one in a long micro-batch. This script trains the
+template's ``MaskedLM`` (its loaders included: Lightning's own ``DistributedSampler`` for training) three times, on
+exactly the same global batches in the same order, from the same initialization:
 
-1. ``reference``: 1 process, no accumulation; each optimizer step sees its whole global batch at once (its P×K
-   micro-batches concatenated and re-padded; padding is masked, so the token mean is unchanged);
+1. ``reference``: 1 process, no accumulation; each optimizer step sees its whole global batch at once: the P×K
+   micro-batches that the P ranks' ``DistributedSampler`` deal out for that step, concatenated and re-padded
+   (padding is masked, so the token mean is unchanged);
 2. ``token_mean``: ``TokenMeanDDPStrategy`` on P processes with ``accumulate_grad_batches=K``;
 3. ``naive``: plain ``DDPStrategy``, same layout.
 
 Run (1) records a ``DenominatorMonitor`` trace; runs (2) and (3) are compared with it step by step, and the monitor
-flags the first step that leaves the reference. The script then prints a table and writes ``summary.json`` and
-``loss_curves.png`` into one run folder, ``runs/masked_lm-<timestamp>/``, whose path it prints last.
+flags the first step that leaves the reference. The script prints one line per run and a table, and writes
+``summary.json`` and ``loss_curves.png`` into one run folder, ``runs/masked_lm-<timestamp>/``, whose path it prints
+last. Only two things differ from the template: SGD instead of AdamW (see ``LEARNING_RATE``) and, for the
+reference, a loader of whole global batches.
 
 Commands, from the repository root (``make demo`` creates ``.venv`` first if needed):
 
-    make demo                                                          # the three runs: 2-3 minutes on 2 CPU cores
+    make demo                                                          # the three runs: ~2 minutes on 2 CPU cores
     .venv/bin/python examples/masked_lm.py --steps 20 --limit 1000     # the same, smaller: under a minute
     .venv/bin/python examples/masked_lm.py --run reference --out runs/mine   # one run, in a single process
     .venv/bin/python examples/masked_lm.py --run naive --out runs/mine       # 2 processes, started by Lightning
@@ -28,7 +32,7 @@ A single ``--run`` writes ``OUT/<run>/`` (``OUT`` defaults to ``runs/masked_lm``
 a reference recorded with the same data flags, is compared with it. ``--devices`` is P in every run (the reference
 still runs in one process, on the global batches of the P×K layout); under torchrun, ``--nproc_per_node`` must
 equal it. ``--precision 64-true`` makes the token-mean run match the reference to ~1e-15 instead of ~1e-7, for
-about 1.5× the training time.
+about 1.5× the training time. The comparison runs on the CPU, where its tolerances were measured.
 """
 
 from __future__ import annotations
@@ -38,15 +42,15 @@ import csv
 import hashlib
 import importlib.util
 import json
+import logging
 import math
 import os
 import platform
-import random
 import subprocess
 import sys
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -55,30 +59,26 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.loggers import CSVLogger, Logger, TensorBoardLogger
 from lightning.pytorch.strategies import DDPStrategy, Strategy
-from torch import Tensor
-from torch.utils.data import DataLoader, Dataset
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 # The examples are scripts beside each other, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
-from tiny_lm import LMConfig, TinyLM, masked_lm_loss
+from tiny_lm import LMConfig, TinyLM
+from train_masked_lm import Batch, MaskedLM
 
-from token_mean import TokenMeanDDPStrategy, count_valid_labels
+from token_mean import TokenMeanDDPStrategy
 from token_mean.callback import DenominatorMonitor
-from token_mean.metrics import TokenMeanLoss
-
-Batch = dict[str, Tensor]
-Plan = list[list[list[list[int]]]]
-"""``plan[step][rank][micro_batch]`` = the training samples of that micro-batch."""
 
 RUNS = ("reference", "token_mean", "naive")
 # SGD with momentum, a fixed learning rate and no clipping: the update is linear in the gradient, so float32
-# round-off stays round-off. AdamW learns faster but divides by sqrt(v): where a gradient entry is ~0 its sign
-# decides a full-lr step, and round-off flips such signs; a float32 replay then drifted by 1e-5 within 20 steps.
-# Clipping at a threshold the norm crosses back and forth amplified round-off the same way. A larger learning rate
-# sharpens the loss surface sooner, after which round-off grows by orders of magnitude within ten steps (seen at
-# 0.05 with longer samples; at 0.1 the loss itself spikes).
-LEARNING_RATE = 0.03
+# round-off stays round-off. AdamW (the template's) learns faster but divides by sqrt(v): where a gradient entry is ~0
+# its sign decides a full-lr step, and round-off flips such signs; a float32 replay then drifted by 1e-5 within 20
+# steps. Clipping at a threshold the norm crosses back and forth amplified round-off the same way. A larger learning
+# rate sharpens the loss surface sooner, after which round-off grows by orders of magnitude within ten steps: at 0.03
+# the gradient norm spiked from ~1 to 8.7 around step 80 of the default run and the token-mean run's gradient norm
+# came within 1e-4 of the reference's (the monitor's tolerance); at 0.1 the loss itself spikes.
+LEARNING_RATE = 0.02
 MOMENTUM = 0.9
 # Shorter than the corpus' own caps (256 and 383 bytes): a batch costs in proportion to its longest sample (and
 # attention to its square), and the reference pads each step's whole global batch to one length. Each sample still
@@ -86,165 +86,114 @@ MOMENTUM = 0.9
 PROMPT_BYTES = 128
 RESPONSE_BYTES = 255
 VAL_PAIRS = 128  # the first 128 of the held-out split: ~1 s of forward passes per run
-VAL_BATCH_SIZE = 8
 # The monitor compares N exactly, and loss, grad_norm and param_norm within ATOL + RTOL·|reference|.
 # In float32 the token-mean run adds the same per-token terms in another order than the reference's single batch
-# (per micro-batch, per rank, then gloo's all-reduce). Measured over 150 steps of the default settings: at most
-# 2e-7 relative on the loss, 3e-9 on a parameter sum and 3e-6 on the gradient norm, the most sensitive (the loss surface
-# sharpens as training goes, so a 1e-8 difference in the parameters shows as 1e-6 in the gradient). 1e-4 (the
-# monitor's default) leaves a 30× margin, while plain DDP's gradient norm is off by ~2e-2 at step 0.
+# (per micro-batch, per rank, then gloo's all-reduce). Measured over the 120 steps of the default settings, seeds 0
+# and 1: at most 2e-7 relative on the loss, 3e-8 on the parameter norm and 7e-6 on the gradient norm, the most
+# sensitive (the loss surface sharpens as training goes, so a 1e-8 difference in the parameters shows as 1e-6 in the
+# gradient). 1e-4 (the monitor's default) leaves a 15× margin, while plain DDP's gradient norm is off by ~4e-2 at
+# step 0.
 RTOL = 1e-4
 ATOL = 1e-6
 
-# Batches are built up front in memory, so loader workers would only add process start-up.
-warnings.filterwarnings("ignore", ".*does not have many workers.*")
-# Lightning 2.6 calling an API torch 2.13 deprecated, once per process: nothing a user of this script can act on.
-warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
-
 
 # ----------------------------------------------------------------------------------------------------------------
-# data: one fixed plan of micro-batches, shared by all three runs
+# what the comparison changes in the template: the optimizer, and the reference's loader
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def make_plan(num_samples: int, steps: int, devices: int, accumulate: int, micro_batch_size: int, seed: int) -> Plan:
-    """Deal a seeded shuffle of the training samples into ``steps × devices × accumulate`` micro-batches.
+class GlobalBatches(Sampler[list[int]]):
+    """The reference's batches: each optimizer step's P×K micro-batches of a DDP run as one batch, in their order.
 
-    Consecutive micro-batches take consecutive samples of the shuffled order, and a new pass over the data (a new
-    shuffle) starts when one is used up. Nothing is sorted by length, so micro-batches are as ragged as the corpus.
+    Rank r of a DDP run draws from Lightning's ``DistributedSampler(train_set, P, r, shuffle=True, seed)`` in
+    micro-batches of B, K of them per optimizer step, so step w of an epoch trains on positions [wKB, (w+1)KB) of
+    every rank's order (fewer at the end of an epoch, where Lightning steps on a short window too).
     """
-    if num_samples < 1:
-        raise ValueError("The training split is empty: pass a larger `--limit` or a `--data` file with more pairs.")
-    rng = random.Random(seed)
-    needed = steps * devices * accumulate * micro_batch_size
-    order: list[int] = []
-    while len(order) < needed:
-        one_pass = list(range(num_samples))
-        rng.shuffle(one_pass)
-        order.extend(one_pass)
-    chunks = iter([order[start : start + micro_batch_size] for start in range(0, needed, micro_batch_size)])
-    return [[[next(chunks) for _ in range(accumulate)] for _ in range(devices)] for _ in range(steps)]
 
+    def __init__(self, dataset: Dataset[Any], devices: int, accumulate: int, micro_batch_size: int, seed: int) -> None:
+        self.ranks: list[DistributedSampler[int]] = [
+            DistributedSampler(dataset, devices, rank, shuffle=True, seed=seed) for rank in range(devices)
+        ]
+        self.window = accumulate * micro_batch_size
+        self.sampler = self  # Lightning calls `set_epoch` on `batch_sampler.sampler` at every epoch start
 
-def rank_batches(dataset: PairDataset, plan: Plan, rank: int) -> list[Batch]:
-    """The micro-batches one DDP rank trains on, in order: step 0's K micro-batches, then step 1's, and so on."""
-    return [collate([dataset[i] for i in micro]) for step in plan for micro in step[rank]]
-
-
-def reference_batches(dataset: PairDataset, plan: Plan) -> list[Batch]:
-    """One batch per step: all P×K micro-batches of the step concatenated and re-padded to the longest sample.
-
-    The extra padding costs compute (every row is padded to the step's longest sample instead of its micro-batch's)
-    but not accuracy: padding is masked out of the loss, and attention is causal, so it never reaches a real token.
-    """
-    return [collate([dataset[i] for ranks in step for micro in ranks for i in micro]) for step in plan]
-
-
-def data_digest(pairs: Sequence[tuple[str, str]], plan: Plan) -> str:
-    """A fingerprint of the training data and its layout: equal digests mean identical global batches."""
-    digest = hashlib.sha256(json.dumps(pairs).encode())
-    digest.update(json.dumps(plan).encode())
-    return digest.hexdigest()[:16]
-
-
-class PrebuiltBatches(Dataset[Batch]):
-    """Collated batches served as they are (``DataLoader(..., batch_size=None)``): item i is the i-th batch."""
-
-    def __init__(self, batches: list[Batch]) -> None:
-        self.batches = batches
+    def set_epoch(self, epoch: int) -> None:
+        for sampler in self.ranks:
+            sampler.set_epoch(epoch)
 
     def __len__(self) -> int:
-        return len(self.batches)
+        return math.ceil(len(self.ranks[0]) / self.window)
 
-    def __getitem__(self, index: int) -> Batch:
-        return self.batches[index]
-
-
-# ----------------------------------------------------------------------------------------------------------------
-# model
-# ----------------------------------------------------------------------------------------------------------------
+    def __iter__(self) -> Iterator[list[int]]:
+        orders = [list(sampler) for sampler in self.ranks]
+        for start in range(0, len(orders[0]), self.window):
+            yield [index for order in orders for index in order[start : start + self.window]]
 
 
-class MaskedLM(pl.LightningModule):
-    """``TinyLM`` trained on a fixed plan; ``merged=True`` trains on each step's whole global batch at once.
-
-    ``training_step`` returns the micro-batch's mean loss over its valid tokens, as any masked LM does; turning
-    that into the global token mean is the strategy's job. Validation uses ``TokenMeanLoss``, so the validation
-    loss is the exact token mean over the whole held-out split, however it is sharded over ranks.
-    """
+class Comparison(MaskedLM):
+    """The template's module, trained with SGD; with ``global_batches``, on whole global batches (the reference)."""
 
     def __init__(
-        self, dataset: PairDataset, plan: Plan, val_batches: list[Batch], merged: bool, config: LMConfig, seed: int
+        self,
+        train_set: PairDataset,
+        val_set: PairDataset,
+        micro_batch_size: int,
+        seed: int,
+        global_batches: GlobalBatches | None = None,
     ) -> None:
-        super().__init__()
-        self.dataset = dataset
-        self.plan = plan
-        self.val_batches = val_batches
-        self.merged = merged
-        self.model = TinyLM(config, seed=seed)  # the same initial weights in every run and on every rank
-        self.val_loss = TokenMeanLoss()
+        super().__init__(train_set, val_set, micro_batch_size, seed)
+        self.global_batches = global_batches
 
     def train_dataloader(self) -> DataLoader[Batch]:
-        world_size, rank = self.trainer.world_size, self.trainer.global_rank
-        devices = 1 if self.merged else len(self.plan[0])
-        if world_size != devices:
-            raise ValueError(
-                f"This run's data is laid out for {devices} process(es) but the Trainer has {world_size}. Pass"
-                f" `--devices {world_size}`, or launch {devices} process(es) (torchrun --nproc_per_node={devices})."
-            )
-        # Built inside the process that trains on it: under DDP each rank takes its own list, by global rank.
-        batches = (
-            reference_batches(self.dataset, self.plan) if self.merged else rank_batches(self.dataset, self.plan, rank)
-        )
-        return DataLoader(PrebuiltBatches(batches), batch_size=None)
-
-    def val_dataloader(self) -> DataLoader[Batch]:
-        shard = self.val_batches[self.trainer.global_rank :: self.trainer.world_size]
-        return DataLoader(PrebuiltBatches(shard), batch_size=None)
-
-    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
-        return masked_lm_loss(self.model(batch["input_ids"]), batch["labels"])
-
-    def validation_step(self, batch: Batch, batch_idx: int) -> None:
-        loss = masked_lm_loss(self.model(batch["input_ids"]), batch["labels"])
-        self.val_loss.update(loss, count_valid_labels(batch))
-        self.log("val_loss", self.val_loss, on_epoch=True, prog_bar=True)
+        if self.global_batches is None:
+            return super().train_dataloader()
+        return DataLoader(self.train_set, batch_sampler=self.global_batches, collate_fn=collate)
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD(self.model.parameters(), lr=LEARNING_RATE, momentum=MOMENTUM)
 
 
 # ----------------------------------------------------------------------------------------------------------------
-# one run: one Trainer
+# one run: one Trainer, in its own process(es)
 # ----------------------------------------------------------------------------------------------------------------
 
 
-def load_data(args: argparse.Namespace) -> tuple[list[tuple[str, str]], PairDataset, Plan, list[Batch]]:
+def load_data(args: argparse.Namespace) -> tuple[list[tuple[str, str]], PairDataset, PairDataset]:
     pairs = load_pairs(limit=args.limit, data=args.data)
     train_pairs, val_pairs = train_val_split(pairs, seed=args.seed)
     val_pairs = val_pairs[:VAL_PAIRS]
     if len(val_pairs) < args.devices:
         raise ValueError(f"{len(val_pairs)} validation pair(s) for {args.devices} processes: pass a larger `--limit`.")
-    # Validation batches hold whole samples in file order, at least one batch per rank; TokenMeanLoss makes the
-    # result independent of the batching.
-    val_batch_size = min(VAL_BATCH_SIZE, len(val_pairs) // args.devices)
-    val_dataset = PairDataset(val_pairs, PROMPT_BYTES, RESPONSE_BYTES)
-    val_batches = [
-        collate([val_dataset[i] for i in range(start, min(start + val_batch_size, len(val_dataset)))])
-        for start in range(0, len(val_dataset), val_batch_size)
-    ]
-    dataset = PairDataset(train_pairs, PROMPT_BYTES, RESPONSE_BYTES)
-    plan = make_plan(len(dataset), args.steps, args.devices, args.accumulate, args.micro_batch_size, args.seed)
-    return pairs, dataset, plan, val_batches
+    if not train_pairs:
+        raise ValueError("The training split is empty: pass a larger `--limit` or a `--data` file with more pairs.")
+    return (
+        pairs,
+        PairDataset(train_pairs, PROMPT_BYTES, RESPONSE_BYTES),
+        PairDataset(val_pairs, PROMPT_BYTES, RESPONSE_BYTES),
+    )
+
+
+def data_digest(pairs: Sequence[tuple[str, str]], args: argparse.Namespace) -> str:
+    """The data and everything that deals it into global batches: equal digests mean identical global batches."""
+    layout = [args.steps, args.devices, args.accumulate, args.micro_batch_size, args.seed]
+    return hashlib.sha256(json.dumps([pairs, layout]).encode()).hexdigest()[:16]
 
 
 def train_one(args: argparse.Namespace) -> None:
     """``--run NAME``: train one of the three runs with its own Trainer, writing ``OUT/NAME/``."""
     started = time.perf_counter()
+    # The demo prints one line per run: Lightning's banners (devices, distributed set-up, tips) stay out of it.
+    for name in ("lightning.pytorch", "lightning.fabric"):
+        logging.getLogger(name).setLevel(logging.WARNING)
+    # Tokenizing a pair takes microseconds, so loader workers would only add process start-up.
+    warnings.filterwarnings("ignore", ".*does not have many workers.*")
+    # Lightning 2.6 calling an API torch 2.13 deprecated, once per process: nothing a user of this script can act on.
+    warnings.filterwarnings("ignore", ".*isinstance\\(treespec, LeafSpec\\)` is deprecated.*")
+    pl.seed_everything(args.seed, verbose=False)  # the seed of Lightning's DistributedSampler in the DDP runs
     out = Path(args.out or "runs/masked_lm")
     run_dir = out / args.run
-    pairs, dataset, plan, val_batches = load_data(args)
-    digest = data_digest(pairs, plan)
+    pairs, train_set, val_set = load_data(args)
+    digest = data_digest(pairs, args)
 
     reference_trace = out / "reference" / "trace.csv"
     reference_result = out / "reference" / "result.json"
@@ -263,8 +212,10 @@ def train_one(args: argparse.Namespace) -> None:
         reference = reference_trace
 
     strategy: Strategy | str
+    global_batches = None
     if args.run == "reference":
         strategy, devices, accumulate = "auto", 1, 1
+        global_batches = GlobalBatches(train_set, args.devices, args.accumulate, args.micro_batch_size, args.seed)
     elif args.run == "token_mean":
         # The default launcher (popen) re-runs this command line in the other ranks; under torchrun none is needed.
         strategy, devices, accumulate = TokenMeanDDPStrategy(mode=args.mode), args.devices, args.accumulate
@@ -284,17 +235,19 @@ def train_one(args: argparse.Namespace) -> None:
         strategy=strategy,
         accumulate_grad_batches=accumulate,
         precision=args.precision,
-        max_epochs=1,  # one pass over the plan: exactly `--steps` optimizer steps
-        use_distributed_sampler=False,  # each rank already holds its own micro-batches
+        max_steps=args.steps,
         num_sanity_val_steps=0,
         log_every_n_steps=1,  # CSV rows are cheap; the monitor logs once per optimizer step
         callbacks=[monitor],
         logger=loggers,
         enable_checkpointing=False,
         enable_model_summary=False,
+        enable_progress_bar=False,  # a bar redrawn per batch is hundreds of lines in a log; the parent prints one
     )
-    module = MaskedLM(dataset, plan, val_batches, merged=args.run == "reference", config=LMConfig(), seed=args.seed)
+    module = Comparison(train_set, val_set, args.micro_batch_size, args.seed, global_batches=global_batches)
     trainer.fit(module)
+    # Once, after the last step: the same held-out pairs for every run, each on exactly one rank.
+    [metrics] = trainer.validate(module, verbose=False)
 
     if trainer.is_global_zero:
         divergence = monitor.first_divergence
@@ -303,14 +256,14 @@ def train_one(args: argparse.Namespace) -> None:
             "world_size": trainer.world_size,
             "accumulate_grad_batches": accumulate,
             "strategy": type(trainer.strategy).__name__,
-            "val_loss": float(trainer.callback_metrics["val_loss"]),
+            "val_loss": metrics["val_loss"],
             "compared_with": None if reference is None else str(reference),
             "first_flagged_step": None if divergence is None else divergence.step,
             "first_flagged_quantity": None if divergence is None else divergence.quantity,
             "first_flagged_message": None if divergence is None else divergence.message,
             "data_digest": digest,
             "parameters": sum(p.numel() for p in module.model.parameters()),
-            "run_seconds": time.perf_counter() - started,  # from data loading to the end of fit, on rank 0
+            "run_seconds": time.perf_counter() - started,  # from data loading to the end of validation, on rank 0
         }
         (run_dir / "result.json").write_text(json.dumps(result, indent=2) + "\n")
 
@@ -364,12 +317,13 @@ def run_all(args: argparse.Namespace) -> None:
     }
     walls: dict[str, float] = {}
     for index, run in enumerate(RUNS, start=1):
-        print(f"\n=== run {index}/{len(RUNS)}: {run} ({layouts[run]}) ===", flush=True)
+        print(f"run {index}/{len(RUNS)}: {run:<10} {layouts[run]} ...", end="", flush=True)
         started = time.perf_counter()
         # A process per run: Lightning's launcher re-executes the command line in every rank it starts, so a script
         # that trained the three runs in sequence would have its second rank redo the reference.
         subprocess.run([sys.executable, __file__, f"--run={run}", *settings], check=True)
         walls[run] = time.perf_counter() - started
+        print(f" {walls[run]:.0f} s", flush=True)
 
     results = {run: json.loads((out / run / "result.json").read_text()) for run in RUNS}
     if len({result["data_digest"] for result in results.values()}) != 1:

@@ -1,0 +1,129 @@
+"""Train a prompt-masked causal LM with TokenMeanDDPStrategy: the template to copy and adapt.
+
+Each optimizer step follows the mean loss over all valid target tokens of the step, across processes and accumulated
+micro-batches, where plain DDP would follow a mean of per-micro-batch means. The data are the Python standard
+library's own functions (signature and docstring as the prompt, body as the target; examples/stdlib_corpus.py),
+so nothing is downloaded. Swap `PairDataset`, `collate` and `TinyLM` for your own; keep the rest.
+
+Commands, from the repository root (`make demo` creates .venv):
+
+    .venv/bin/python examples/train_masked_lm.py                                   # 1 process, a GPU if there is one
+    .venv/bin/python examples/train_masked_lm.py --accelerator cpu --devices 2     # 2 CPU processes (gloo)
+    .venv/bin/python examples/train_masked_lm.py --accelerator gpu --devices 8 --precision bf16-mixed   # (nccl)
+    .venv/bin/torchrun --nproc_per_node=8 examples/train_masked_lm.py --accelerator gpu --devices 8
+
+Lightning starts the other processes itself (or finds torchrun's) and picks the backend from the accelerator.
+Everything lands in --out: `trace.csv` (the denominator N, the exact loss and norms of every step, from
+`DenominatorMonitor`), `checkpoints/` (`last.ckpt` and the best by validation loss) and `csv/metrics.csv`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from torch import Tensor
+from torch.utils.data import DataLoader
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples are scripts side by side, not a package
+from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
+from tiny_lm import LMConfig, TinyLM, masked_lm_loss
+
+from token_mean import (
+    DenominatorMonitor,
+    ExactDistributedSampler,
+    TokenMeanDDPStrategy,
+    TokenMeanLoss,
+    count_valid_labels,
+)
+
+Batch = dict[str, Tensor]
+
+
+class MaskedLM(pl.LightningModule):
+    """``TinyLM`` on prompt/response pairs: the loss of a micro-batch is the mean over its response tokens."""
+
+    def __init__(self, train_set: PairDataset, val_set: PairDataset, micro_batch_size: int, seed: int) -> None:
+        super().__init__()
+        self.train_set, self.val_set, self.micro_batch_size = train_set, val_set, micro_batch_size
+        self.model = TinyLM(LMConfig(), seed=seed)  # seeded: the same weights on every rank and in every run
+        self.val_loss = TokenMeanLoss()  # Σ loss sums / Σ counts over all ranks: no mean of per-batch means
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        # Lightning puts this behind a DistributedSampler (shuffle=True, seed=PL_GLOBAL_SEED) on P processes.
+        return DataLoader(self.train_set, batch_size=self.micro_batch_size, shuffle=True, collate_fn=collate)
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        # Every held-out pair on exactly one rank: Lightning's own sampler would repeat some to even the ranks out,
+        # counting them twice. It is a DistributedSampler, so Lightning keeps it.
+        sampler = ExactDistributedSampler(self.val_set, shuffle=False)
+        return DataLoader(self.val_set, batch_size=self.micro_batch_size, sampler=sampler, collate_fn=collate)
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        # The plain masked mean of this micro-batch: the strategy turns it into the step's global token mean.
+        loss = masked_lm_loss(self.model(batch["input_ids"]), batch["labels"])
+        self.log("train_loss", loss, prog_bar=True)  # this micro-batch's loss; the exact one is in trace.csv
+        return loss
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.val_loss.update(masked_lm_loss(self.model(batch["input_ids"]), batch["labels"]), count_valid_labels(batch))
+        self.log("val_loss", self.val_loss, prog_bar=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
+    parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (default: auto, a GPU if one is seen)")
+    parser.add_argument("--devices", default="1", help="processes, one per device: a number or 'auto' (default: 1)")
+    parser.add_argument("--accumulate", type=int, default=4, help="K, micro-batches per optimizer step and process")
+    parser.add_argument("--mode", choices=("lookahead", "deferred"), default="lookahead", help="TokenMeanDDPStrategy")
+    parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, 64-true, ...")
+    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default: 300)")
+    parser.add_argument("--eval-every", type=int, default=100, help="optimizer steps between validations")
+    parser.add_argument("--micro-batch-size", type=int, default=8, help="pairs per micro-batch and process")
+    parser.add_argument("--limit", type=int, help="use only the first LIMIT pairs of the corpus (default: all)")
+    parser.add_argument("--seed", type=int, default=0, help="initialization, split and shuffle (default: 0)")
+    parser.add_argument("--out", type=Path, default=Path("runs/train_masked_lm"), help="checkpoints, trace, logs")
+    return parser.parse_args(argv)
+
+
+def main(args: argparse.Namespace) -> None:
+    pl.seed_everything(args.seed, verbose=False)  # also the seed of Lightning's DistributedSampler
+    # 95% to train, 5% held out; reading the whole standard library takes a few seconds.
+    train_pairs, val_pairs = train_val_split(load_pairs(limit=args.limit), seed=args.seed)
+    trainer = pl.Trainer(
+        accelerator=args.accelerator,
+        devices=int(args.devices) if args.devices.isdigit() else args.devices,
+        # Counts labels != -100, right here as stdlib_corpus shifts the labels itself; a model that shifts inside
+        # (Hugging Face's ...ForCausalLM computing .loss) needs count_fn=token_mean.count_shifted_labels.
+        strategy=TokenMeanDDPStrategy(mode=args.mode),
+        accumulate_grad_batches=args.accumulate,
+        precision=args.precision,
+        max_steps=args.max_steps,
+        # Lightning counts micro-batches here, across epochs (a short window at an epoch's end shifts it a little).
+        val_check_interval=args.eval_every * args.accumulate,
+        check_val_every_n_epoch=None,
+        callbacks=[
+            # Logs N, the per-rank counts and the exact loss every step and records them; no collective of its own.
+            DenominatorMonitor(record=args.out / "trace.csv"),
+            ModelCheckpoint(dirpath=args.out / "checkpoints", monitor="val_loss", save_last=True),
+        ],
+        logger=CSVLogger(args.out, name="", version="csv"),
+        log_every_n_steps=10,
+        enable_progress_bar=sys.stdout.isatty(),  # in a log file a bar is a line per redraw
+    )
+    trainer.fit(MaskedLM(PairDataset(train_pairs), PairDataset(val_pairs), args.micro_batch_size, args.seed))
+    if trainer.is_global_zero:
+        print(f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.4f}; written to {args.out}")
+
+
+if __name__ == "__main__":
+    main(parse_args())
