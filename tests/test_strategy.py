@@ -14,19 +14,23 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from _harness import (
     EXACT,
     FORK,
     MODES,
     TokenModule,
+    TokenNet,
     constant,
     empty_like,
     fit,
     initial_state,
+    make_optimizer,
     ragged_batches,
     reference,
     relative_error,
     token_loss,
+    windows_of,
 )
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -121,20 +125,87 @@ def test_sum_reduction(tmp_path: Path, mode: str, as_dict: bool) -> None:
     assert relative_error(params, expected) < EXACT
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# a custom count defines another objective: each valid target weighs its class's weight
+# ---------------------------------------------------------------------------------------------------------------
+
+CLASS_WEIGHTS = torch.tensor([0.25, 1.0, 2.5, 0.5, 4.0, 1.5, 0.75], dtype=torch.float64)  # one per class, CLASSES = 7
+
+
+def token_weights(labels: Tensor) -> Tensor:
+    """Each valid target's class weight; an ignored target (-100) weighs nothing."""
+    return torch.where(labels != -100, CLASS_WEIGHTS[labels.clamp(min=0)], 0.0)
+
+
+def weighted_loss_sum(net: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    per_token = F.cross_entropy(
+        net(batch["x"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="none"
+    )
+    return (token_weights(batch["labels"]).flatten() * per_token).sum()
+
+
+def weighted_mean(module: TokenModule, batch: dict[str, Tensor], loss: Tensor) -> dict[str, Tensor]:
+    """What the user's `training_step` returns: the micro-batch's weighted mean loss, in a dict."""
+    return {"loss": weighted_loss_sum(module.net, batch) / token_weights(batch["labels"]).sum()}
+
+
+def weighted_reference(data: list[list[dict[str, Tensor]]], accumulate: int) -> dict[str, Tensor]:
+    """Plain torch, one process: per optimizer step, sum of w·loss over every valid target of the step over sum of w."""
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    for window in windows_of(len(data[0]), accumulate):
+        step_batches = [rank[i] for rank in data for i in window]
+        total = sum(float(token_weights(b["labels"]).sum()) for b in step_batches)
+        optimizer.zero_grad()
+        loss = sum(weighted_loss_sum(net, b) for b in step_batches) / total
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+class WeightCount:
+    """``count_fn``: the sum of the micro-batch's target weights. Each forked rank appends every count to a file."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __call__(self, batch: dict[str, Tensor]) -> Tensor:
+        count = token_weights(batch["labels"]).sum()
+        with (self.out / f"count_fn-{torch.distributed.get_rank()}.txt").open("a") as calls:
+            calls.write(f"{float(count)!r}\n")
+        return count
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_dict_output_and_custom_count_fn(tmp_path: Path, mode: str) -> None:
-    calls: list[int] = []
-
-    def count_fn(batch: dict[str, Tensor]) -> Tensor:
-        calls.append(1)
-        return (batch["labels"] >= 0).sum()
-
+    """A class-weighted mean: the count is a float sum of weights, which the default token count would not give."""
     data = ragged_batches(2, 4, seed=6)
-    strategy = strategy_for(mode, count_fn=count_fn)
-    params, _ = fit(TokenModule(data, as_dict=True), strategy, tmp_path, accumulate_grad_batches=2, devices=2)
-    expected, _ = reference(data, constant(2))
+    expected = weighted_reference(data, 2)
+    token_mean_objective, _ = reference(data, constant(2))
+    assert relative_error(token_mean_objective, expected) > 1e-3, "the weights change nothing: the test could not fail"
+    strategy = strategy_for(mode, count_fn=WeightCount(tmp_path))
+    module = TokenModule(data, output_fn=weighted_mean)
+    params, windows = fit(module, strategy, tmp_path / "run", accumulate_grad_batches=2)
     assert relative_error(params, expected) < EXACT
+    assert [w["global_count"] for w in windows] == [
+        pytest.approx(sum(float(token_weights(rank[i]["labels"]).sum()) for rank in data for i in window), rel=EXACT)
+        for window in windows_of(4, 2)
+    ]
+    for rank in (0, 1):  # once per micro-batch, in order, on every rank
+        calls = [float(line) for line in (tmp_path / f"count_fn-{rank}.txt").read_text().split()]
+        assert calls == [float(token_weights(b["labels"]).sum()) for b in data[rank]], f"rank {rank}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_default_count_misses_the_weighted_objective(tmp_path: Path, mode: str) -> None:
+    """The control: the same weighted means under the default count (valid tokens) optimize another objective."""
+    data = ragged_batches(2, 4, seed=6)
+    params, _ = fit(TokenModule(data, output_fn=weighted_mean), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    assert relative_error(params, weighted_reference(data, 2)) > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
