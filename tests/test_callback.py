@@ -20,6 +20,7 @@ from _monitor_helpers import (
     logged,
     trainer_for,
 )
+from lightning.pytorch.loggers import Logger
 from lightning.pytorch.strategies import DDPStrategy
 
 import token_mean.callback
@@ -141,14 +142,43 @@ def test_single_device_measures_itself(tmp_path: Path) -> None:
     assert trainer.callbacks[0].last_window.window_length == 1  # type: ignore[attr-defined]
 
 
-@pytest.mark.parametrize(("interval", "every_n", "expected"), [(2, 1, [1, 3, 5]), (None, 3, [2, 5]), (None, 50, [])])
+class MetricSteps(Logger):
+    """An in-memory logger: the steps at which the monitor's metrics arrived (one process, so readable after fit)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.steps: list[int] = []
+
+    @property
+    def name(self) -> str:
+        return "steps"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if any(name.startswith("denominator/") for name in metrics):
+            assert step is not None
+            self.steps.append(step)
+
+
+@pytest.mark.parametrize(
+    ("interval", "every_n", "expected"),
+    [(2, 1, [1, 3, 5]), (3, 50, [2, 5]), (None, 3, [2, 5]), (None, 1, [0, 1, 2, 3, 4, 5]), (None, 50, [])],
+)
 def test_logging_interval(tmp_path: Path, interval: int | None, every_n: int, expected: list[int]) -> None:
+    """6 optimizer steps (K = 1): `logging_interval` wins over `log_every_n_steps`, which applies without it."""
     data = ragged_batches(1, 6, seed=3)
     monitor = DenominatorMonitor(logging_interval=interval)
-    trainer = trainer_for(tmp_path, log_every_n_steps=every_n, callbacks=[monitor])
+    metric_steps = MetricSteps()
+    trainer = trainer_for(tmp_path, log_every_n_steps=every_n, callbacks=[monitor], logger=metric_steps)
     trainer.fit(TokenModule(data))
-    path = tmp_path / "logs" / "version_0" / "metrics.csv"
-    assert sorted(logged(tmp_path)) == expected if path.exists() else expected == []
+    assert trainer.global_step == 6
+    assert metric_steps.steps == expected
 
 
 # ---------------------------------------------------------------------------------------------------------- traces
