@@ -14,7 +14,6 @@ import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -66,12 +65,6 @@ LAUNCH_VARIABLES = (
 # ---------------------------------------------------------------------------------------------------------------
 # jobs in their own sessions, so that nothing they start can outlive the test
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return int(probe.getsockname()[1])
 
 
 def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT) -> None:
@@ -172,9 +165,9 @@ def test_plain_ddp_misses_the_launcher_case(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_one_node(tmp_path: Path) -> None:
+    # --standalone: torchrun hosts its rendezvous store on a port it binds itself (localhost:0) and keeps
     command = [
-        str(TORCHRUN), "--nnodes=1", "--nproc_per_node=2", "--master_addr=127.0.0.1", f"--master_port={free_port()}",
-        *script(tmp_path, "--mode", *MODES)[1:],
+        str(TORCHRUN), "--standalone", "--nnodes=1", "--nproc_per_node=2", *script(tmp_path, "--mode", *MODES)[1:]
     ]
     run_job([command], tmp_path / "logs")
     assert_matches_reference(tmp_path)
@@ -186,16 +179,25 @@ def test_torchrun_one_node(tmp_path: Path) -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
-    """How a cluster job starts: one torchrun per node, here two nodes of one process each on 127.0.0.1."""
-    port = free_port()
+    """How a cluster job starts: one torchrun per node, here two nodes of one process each on 127.0.0.1.
+
+    The nodes meet at a rendezvous store that this test hosts on a port it binds and holds (port 0: no free-port
+    guess that another process could take first); the agent of rendezvous rank 0 then hosts the workers' store the
+    same way.
+    """
+    rendezvous = torch.distributed.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     commands = [
         [
-            str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", f"--node_rank={node}", "--master_addr=127.0.0.1",
-            f"--master_port={port}", *script(tmp_path, "--mode", *MODES, "--nodes", "2")[1:],
+            str(TORCHRUN), "--nnodes=2", "--nproc_per_node=1", "--rdzv-backend=c10d",
+            f"--rdzv-endpoint=127.0.0.1:{rendezvous.port}", "--rdzv-conf=is_host=false", f"--rdzv-id={tmp_path.name}",
+            "--local-addr=127.0.0.1", *script(tmp_path, "--mode", *MODES, "--nodes", "2")[1:],
         ]
-        for node in (0, 1)
+        for _ in (0, 1)
     ]
-    run_job(commands, tmp_path / "logs")
+    try:
+        run_job(commands, tmp_path / "logs")
+    finally:
+        del rendezvous
     assert_matches_reference(tmp_path)
     for mode in MODES:
         run = json.loads((tmp_path / mode / "run.json").read_text())

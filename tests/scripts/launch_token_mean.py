@@ -6,7 +6,7 @@ that fails does not stop the next; the script then exits with status 1).
 
     python tests/scripts/launch_token_mean.py OUT_DIR --mode deferred                        # subprocess launcher
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method spawn
-    torchrun --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
+    torchrun --standalone --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
     torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29400 \\
         tests/scripts/launch_token_mean.py OUT_DIR --nodes 2        # and the same command with --node_rank=1
 
