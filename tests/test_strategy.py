@@ -113,6 +113,25 @@ def test_plain_ddp_misses_the_reference(
     assert error > 1e-6, f"plain DDP matched the token mean in case {name}: the test could not fail"
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_windows_warn_once(tmp_path: Path, mode: str) -> None:
+    """One process (no fork, so the warnings reach this one), K = 2: windows 0 and 2 of 3 hold no valid item.
+
+    Both are skipped and counted, and the user is warned once, not once per empty window.
+    """
+    data = with_empty(ragged_batches(1, 6, seed=9), [(0, 0), (0, 1), (0, 4), (0, 5)])
+    strategy = TokenMeanDDPStrategy(mode=mode, process_group_backend="gloo")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning) as caught:
+        params, windows = fit(TokenModule(data), strategy, tmp_path, devices=1, accumulate_grad_batches=2)
+    empty_window_warnings = [w for w in caught if "no valid items on any rank (N = 0)" in str(w.message)]
+    assert len(empty_window_warnings) == 1, [str(w.message) for w in caught]
+    assert strategy.skipped_steps == 2
+    expected, counts = reference(data, constant(2))
+    assert counts[0] == counts[2] == 0.0 and counts[1] > 0
+    assert [w["skipped"] for w in windows] == [True, False, True]
+    assert relative_error(params, expected) < EXACT
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_iterable_dataset(tmp_path: Path, mode: str) -> None:
