@@ -5,17 +5,15 @@ One section per case of the issue, numbered as there. A supported setup is compa
 reference over the optimizer steps that Lightning's own stepping rule makes of the same per-rank batches (relative
 error < 1e-12), next to a plain ``DDPStrategy`` control that must miss wherever plain DDP's mean of means differs. A
 refused setup must raise a clear error on every rank: each forked worker records what it raised
-(:class:`RecordingTrainer`), and the test reads every rank's message.
+(``_ranks.outcomes_recorded``), and the test reads every rank's message.
 """
 
 from __future__ import annotations
 
 import json
 import math
-import os
 import re
 import sys
-import time
 import tomllib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -48,6 +46,7 @@ from _harness import (
     windows_of,
 )
 from _monitor_helpers import logged
+from _ranks import errors_of, outcomes_recorded, raises_everywhere
 from _resume_helpers import PositionLoader, ResumableModule, checkpoint_at, fit_checkpointed
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
@@ -66,7 +65,6 @@ from token_mean import (
 
 ROOT = Path(__file__).parent.parent
 GLOO_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
-WAIT_FOR_RANKS = 25.0  # seconds a rank that raised waits for the others to finish or raise (> GLOO_TIMEOUT)
 FAST: dict[str, Any] = {**FORK, "timeout": GLOO_TIMEOUT}
 MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
 
@@ -80,35 +78,6 @@ def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
 # ---------------------------------------------------------------------------------------------------------------
 # running forked workers and reading back what each rank did
 # ---------------------------------------------------------------------------------------------------------------
-
-
-class RecordingTrainer(pl.Trainer):
-    """A Trainer whose every worker writes ``error{rank}.txt`` (what it raised) or ``done{rank}.txt``.
-
-    Forked workers run ``Trainer._fit_impl`` directly: Lightning calls ``on_exception`` only in the launching process
-    (with the first failed worker's traceback), and stops the other workers as soon as one has failed. So each worker
-    records its own outcome, and a worker that raised waits until every rank has finished or raised.
-    """
-
-    def __init__(self, outcome_dir: Path, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._outcome_dir = outcome_dir
-
-    def _fit_impl(self, *args: Any, **kwargs: Any) -> Any:
-        rank = int(os.environ.get("LOCAL_RANK", "0"))  # set by the launcher before the worker runs this
-        try:
-            result = super()._fit_impl(*args, **kwargs)
-        except BaseException as error:
-            (self._outcome_dir / f"error{rank}.txt").write_text(f"{type(error).__name__}: {error}")
-            deadline = time.monotonic() + WAIT_FOR_RANKS
-            while time.monotonic() < deadline and not all(map(self._settled, range(self.num_devices))):
-                time.sleep(0.05)
-            raise
-        (self._outcome_dir / f"done{rank}.txt").write_text("")
-        return result
-
-    def _settled(self, rank: int) -> bool:
-        return any((self._outcome_dir / f"{outcome}{rank}.txt").exists() for outcome in ("error", "done"))
 
 
 class Summary(Callback):
@@ -147,7 +116,7 @@ def train(
         "num_sanity_val_steps": 0,
         **trainer_kwargs,
     }
-    trainer = RecordingTrainer(out, callbacks=[Recorder(out), Summary(out), *callbacks], **settings)
+    trainer = pl.Trainer(callbacks=[Recorder(out), Summary(out), *callbacks], **settings)
     trainer.fit(module, ckpt_path=ckpt_path)
 
 
@@ -159,24 +128,6 @@ def params_of(out: Path) -> dict[str, Tensor]:
 def summary_of(out: Path) -> dict[str, Any]:
     summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
     return summary
-
-
-def errors_of(out: Path, ranks: int = 2) -> list[str]:
-    """Every rank's error message; fails naming the ranks that did not raise."""
-    missing = {
-        rank: "finished" if (out / f"done{rank}.txt").exists() else "was stopped"
-        for rank in range(ranks)
-        if not (out / f"error{rank}.txt").exists()
-    }
-    assert not missing, f"not every rank raised: {missing}"
-    return [(out / f"error{rank}.txt").read_text() for rank in range(ranks)]
-
-
-def raises_everywhere(out: Path, run: Callable[[], None], ranks: int = 2) -> list[str]:
-    """Run a fit that must fail, and return every rank's error message."""
-    with pytest.raises(Exception):  # noqa: B017 - the launcher re-raises any worker's error as its own type
-        run()
-    return errors_of(out, ranks)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -453,7 +404,8 @@ def test_buffer_refilled_in_place(tmp_path: Path, mode: str) -> None:
     data = same_shape_batches()
     expected, _ = reference_steps(lightning_steps(data, 3))
     try:
-        train(BufferModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+        with outcomes_recorded(tmp_path):
+            train(BufferModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
     except Exception:
         if mode != "lookahead":
             raise

@@ -6,7 +6,7 @@ frozen suite.
 
 from __future__ import annotations
 
-from datetime import timedelta
+import re
 from pathlib import Path
 from typing import Any
 
@@ -26,39 +26,11 @@ from _harness import (
     relative_error,
     token_loss,
 )
+from _ranks import raises_everywhere
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
-from token_mean import DenominatorError, ExactDistributedSampler, TokenMeanDDPStrategy
-
-
-class RecordingStrategy(TokenMeanDDPStrategy):
-    """Each rank writes the error it raised, to show that every rank raised and with which message."""
-
-    def __init__(self, path: Path, **kwargs: Any) -> None:
-        super().__init__(**kwargs, **FORK)
-        self.path = path
-
-    def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        return self._recording(super().training_step, *args, **kwargs)
-
-    def optimizer_step(self, *args: Any, **kwargs: Any) -> Any:  # where a window's record is read
-        return self._recording(super().optimizer_step, *args, **kwargs)
-
-    def _recording(self, hook: Any, *args: Any, **kwargs: Any) -> Any:
-        try:
-            return hook(*args, **kwargs)
-        except DenominatorError as error:
-            (self.path / f"error-{self.global_rank}.txt").write_text(str(error))
-            # the launcher stops the other workers as soon as one exits: wait until every rank has written its
-            # error. If only one rank raised, this times out and the test fails, as it should.
-            torch.distributed.monitored_barrier(timeout=timedelta(seconds=20))
-            raise
-
-
-def errors_of(path: Path) -> list[str]:
-    return [(path / f"error-{rank}.txt").read_text() for rank in range(2)]
-
+from token_mean import ExactDistributedSampler, TokenMeanDDPStrategy
 
 # ---------------------------------------------------------------------------------------------------------------
 # exhausted ranks
@@ -87,8 +59,10 @@ def test_uneven_ranks_error_when_padding_is_off(tmp_path: Path) -> None:
     data = ragged_batches(2, 5, seed=22)
     data[1] = data[1][:3]
     strategy = TokenMeanDDPStrategy(pad_uneven_ranks=False, **FORK)
-    with pytest.raises(Exception, match=r"between 3 and 5 batches[\s\S]*set `pad_uneven_ranks=True`"):
-        fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2)
+    errors = raises_everywhere(tmp_path, lambda: fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2))
+    for rank, message in enumerate(errors):
+        assert re.search(r"between 3 and 5 batches[\s\S]*set `pad_uneven_ranks=True`", message), message
+        assert f"(this rank: {len(data[rank])})" in message, message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -180,11 +154,12 @@ BAD_COUNTS = [
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize(("name", "count_fn", "match"), BAD_COUNTS, ids=[case[0] for case in BAD_COUNTS])
 def test_bad_count_raises_on_every_rank(tmp_path: Path, mode: str, name: str, count_fn: Any, match: str) -> None:
-    strategy = RecordingStrategy(tmp_path, mode=mode, count_fn=count_fn)
-    with pytest.raises(Exception, match="DenominatorError"):
-        fit(TokenModule(ragged_batches(2, 4)), strategy, tmp_path, accumulate_grad_batches=2)
-    first, second = errors_of(tmp_path)
+    strategy = TokenMeanDDPStrategy(mode=mode, count_fn=count_fn, **FORK)  # type: ignore[arg-type]
+    first, second = raises_everywhere(
+        tmp_path, lambda: fit(TokenModule(ragged_batches(2, 4)), strategy, tmp_path, accumulate_grad_batches=2)
+    )
     assert first == second, "the ranks raised different errors"
+    assert first.startswith("DenominatorError: "), first
     assert match in first and "optimizer step 1" in first and "Fix:" in first
 
 
@@ -212,11 +187,11 @@ def none_on_rank_one(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
     ],
 )
 def test_bad_loss_raises_on_every_rank(tmp_path: Path, mode: str, output_fn: Any, match: str) -> None:
-    strategy = RecordingStrategy(tmp_path, mode=mode)
-    with pytest.raises(Exception, match="DenominatorError"):
-        fit(TokenModule(ragged_batches(2, 4), output_fn=output_fn), strategy, tmp_path, accumulate_grad_batches=2)
-    first, second = errors_of(tmp_path)
-    assert first == second
+    strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
+    module = TokenModule(ragged_batches(2, 4), output_fn=output_fn)
+    first, second = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
+    assert first == second, "the ranks raised different errors"
+    assert first.startswith("DenominatorError: "), first
     assert match in first
 
 
@@ -255,8 +230,10 @@ def test_deferred_counts_from_num_items(tmp_path: Path) -> None:
 def test_count_fn_and_num_items_must_agree(tmp_path: Path, mode: str, count_fn: Any) -> None:
     """Two definitions of the denominator that disagree are exactly the bug this package exists to catch."""
     strategy = TokenMeanDDPStrategy(mode=mode, count_fn=count_fn, **FORK)  # type: ignore[arg-type]
-    with pytest.raises(Exception, match="disagree"):
-        fit(TokenModule(ragged_batches(2, 4, seed=25), output_fn=masks_in_forward), strategy, tmp_path)
+    module = TokenModule(ragged_batches(2, 4, seed=25), output_fn=masks_in_forward)
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("DenominatorError: ") and "disagree" in errors[0], errors[0]
 
 
 @pytest.mark.distributed
@@ -265,5 +242,7 @@ def test_rank_without_any_batch_is_an_error_everywhere(tmp_path: Path) -> None:
     data = ragged_batches(2, 3, seed=26)
     data[1] = []
     strategy = TokenMeanDDPStrategy(**FORK)
-    with pytest.raises(Exception, match="yielded no batch this epoch"):
-        fit(TokenModule(data, iterable=True), strategy, tmp_path, accumulate_grad_batches=2)
+    module = TokenModule(data, iterable=True)
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
+    assert len(set(errors)) == 1, errors
+    assert "yielded no batch this epoch" in errors[0], errors[0]

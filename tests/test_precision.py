@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+import _harness
 import lightning.pytorch as pl
 import pytest
 import torch
@@ -47,14 +48,43 @@ def test_clipping_acts_on_the_final_gradient(tmp_path: Path, mode: str, algorith
     assert relative_error(unclipped, expected) > 1e-3, "the threshold did not clip: the test could not fail"
 
 
+HARNESS_INITIAL_STATE = _harness.initial_state
+
+
+def float32_exact_initial_state(seed: int = 1) -> dict[str, Tensor]:
+    """The harness's initial parameters rounded to float32 (still float64 tensors): what a float32 model starts from."""
+    return {k: v.float().double() for k, v in HARNESS_INITIAL_STATE(seed).items()}
+
+
+class Float32Data(TokenModule):
+    """A user's float32 setup: a float32 model and float32 inputs (float64 values rounded to float32)."""
+
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__([[{**b, "x": b["x"].float()} for b in rank] for rank in data])
+        self.net.float()
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
-def test_64_true(tmp_path: Path, mode: str) -> None:
+def test_64_true(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``precision="64-true"`` turns a float32 model and float32 batches into float64: the result is exact, where the
+    same float32 setup under ``"32-true"`` misses the float64 reference by float32 rounding."""
+    # the module and the reference both start from the float32 parameters
+    monkeypatch.setattr(_harness, "initial_state", float32_exact_initial_state)
     data = ragged_batches(2, 5, seed=32)
-    strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
-    params, _ = fit(TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2, precision="64-true")
-    expected, _ = reference(data, constant(2))
-    assert relative_error(params, expected) < EXACT
+    float32_values = [[{**b, "x": b["x"].float().double()} for b in rank] for rank in data]
+    expected, _ = reference(float32_values, constant(2))
+    runs: dict[str, dict[str, Tensor]] = {}
+    for precision in ("64-true", "32-true"):
+        strategy = TokenMeanDDPStrategy(mode=mode, **FORK)  # type: ignore[arg-type]
+        runs[precision], _ = fit(
+            Float32Data(data), strategy, tmp_path / precision, accumulate_grad_batches=2, precision=precision
+        )
+    assert {v.dtype for v in runs["64-true"].values()} == {torch.float64}
+    assert relative_error(runs["64-true"], expected) < EXACT
+    assert {v.dtype for v in runs["32-true"].values()} == {torch.float32}
+    float32_error = relative_error({k: v.double() for k, v in runs["32-true"].items()}, expected)
+    assert float32_error > EXACT, f"float32 matched the float64 reference ({float32_error:.1e}): the test cannot fail"
 
 
 # ---------------------------------------------------------------------------------------------------------------

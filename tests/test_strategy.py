@@ -1,7 +1,8 @@
 """TokenMeanDDPStrategy against the plain-torch unpartitioned reference (float64, relative 1e-12).
 
-Every case also runs with plain ``DDPStrategy``, which must miss the reference wherever ranks or micro-batches hold
-different numbers of valid tokens: the tests can fail.
+Every case but one also runs with plain ``DDPStrategy``, which must miss the reference: ranks or micro-batches hold
+different numbers of valid tokens there, so the tests can fail. The exception, one micro-batch on one device, is a case
+where plain DDP is exact and has no control.
 """
 
 from __future__ import annotations
@@ -14,20 +15,25 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
+import torch.nn.functional as F
 from _harness import (
     EXACT,
     FORK,
     MODES,
     TokenModule,
+    TokenNet,
     constant,
     empty_like,
     fit,
     initial_state,
+    make_optimizer,
     ragged_batches,
     reference,
     relative_error,
     token_loss,
+    windows_of,
 )
+from _ranks import raises_everywhere
 from lightning.pytorch.callbacks import GradientAccumulationScheduler
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
@@ -63,29 +69,67 @@ CASES: list[tuple[str, int, int, int, list[tuple[int, int]], dict[str, Any], int
 ]
 
 
-@pytest.mark.distributed
-@pytest.mark.parametrize("mode", [*MODES, "plain"])
-@pytest.mark.parametrize(("name", "devices", "k", "batches", "empty", "trainer_kwargs", "epochs"), CASES)
-def test_matches_unpartitioned_reference(
+def run_case(
     tmp_path: Path, mode: str, name: str, devices: int, k: int, batches: int, empty: list[tuple[int, int]],
     trainer_kwargs: dict[str, Any], epochs: int,
-) -> None:
+) -> tuple[float, list[dict[str, Any]], list[float]]:
+    """(relative parameter error against the reference, the strategy's window stats, the reference's counts)."""
     data = with_empty(ragged_batches(devices, batches, seed=len(name)), empty)
     kwargs = {"max_epochs": epochs, **trainer_kwargs}
     params, windows = fit(TokenModule(data), strategy_for(mode), tmp_path, devices, accumulate_grad_batches=k, **kwargs)
     expected, counts = reference(
         data, constant(k), epochs, trainer_kwargs.get("limit_train_batches"), trainer_kwargs.get("max_steps")
     )
-    error = relative_error(params, expected)
-    if mode == "plain":
-        # a mean of means matches only when every micro-batch holds the same number of tokens
-        if devices * k > 1:
-            assert error > 1e-6, f"plain DDP matched the token mean in case {name}: the test could not fail"
-        return
+    return relative_error(params, expected), windows, counts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("name", "devices", "k", "batches", "empty", "trainer_kwargs", "epochs"), CASES)
+def test_matches_unpartitioned_reference(
+    tmp_path: Path, mode: str, name: str, devices: int, k: int, batches: int, empty: list[tuple[int, int]],
+    trainer_kwargs: dict[str, Any], epochs: int,
+) -> None:
+    error, windows, counts = run_case(tmp_path, mode, name, devices, k, batches, empty, trainer_kwargs, epochs)
     assert error < EXACT, f"{mode}/{name}: relative parameter error {error:.3e}"
     assert [w["global_count"] for w in windows] == counts
     assert all(sum(w["rank_counts"]) == w["global_count"] for w in windows)
     assert [w["skipped"] for w in windows] == [c == 0 for c in counts]
+
+
+# P1-K1 has no plain control: with one micro-batch on one device, plain DDP's mean of means is the token mean, so
+# such a control could not fail. Every other case puts micro-batches with different token counts in one step.
+PLAIN_CASES = [case for case in CASES if case[1] * case[2] > 1]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("name", "devices", "k", "batches", "empty", "trainer_kwargs", "epochs"), PLAIN_CASES)
+def test_plain_ddp_misses_the_reference(
+    tmp_path: Path, name: str, devices: int, k: int, batches: int, empty: list[tuple[int, int]],
+    trainer_kwargs: dict[str, Any], epochs: int,
+) -> None:
+    """The control of every case above but P1-K1: plain DDP optimizes a mean of means and lands elsewhere."""
+    error, _, _ = run_case(tmp_path, "plain", name, devices, k, batches, empty, trainer_kwargs, epochs)
+    assert error > 1e-6, f"plain DDP matched the token mean in case {name}: the test could not fail"
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_windows_warn_once(tmp_path: Path, mode: str) -> None:
+    """One process (no fork, so the warnings reach this one), K = 2: windows 0 and 2 of 3 hold no valid item.
+
+    Both are skipped and counted, and the user is warned once, not once per empty window.
+    """
+    data = with_empty(ragged_batches(1, 6, seed=9), [(0, 0), (0, 1), (0, 4), (0, 5)])
+    strategy = TokenMeanDDPStrategy(mode=mode, process_group_backend="gloo")  # type: ignore[arg-type]
+    with pytest.warns(UserWarning) as caught:
+        params, windows = fit(TokenModule(data), strategy, tmp_path, devices=1, accumulate_grad_batches=2)
+    empty_window_warnings = [w for w in caught if "no valid items on any rank (N = 0)" in str(w.message)]
+    assert len(empty_window_warnings) == 1, [str(w.message) for w in caught]
+    assert strategy.skipped_steps == 2
+    expected, counts = reference(data, constant(2))
+    assert counts[0] == counts[2] == 0.0 and counts[1] > 0
+    assert [w["skipped"] for w in windows] == [True, False, True]
+    assert relative_error(params, expected) < EXACT
 
 
 @pytest.mark.distributed
@@ -121,20 +165,87 @@ def test_sum_reduction(tmp_path: Path, mode: str, as_dict: bool) -> None:
     assert relative_error(params, expected) < EXACT
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# a custom count defines another objective: each valid target weighs its class's weight
+# ---------------------------------------------------------------------------------------------------------------
+
+CLASS_WEIGHTS = torch.tensor([0.25, 1.0, 2.5, 0.5, 4.0, 1.5, 0.75], dtype=torch.float64)  # one per class, CLASSES = 7
+
+
+def token_weights(labels: Tensor) -> Tensor:
+    """Each valid target's class weight; an ignored target (-100) weighs nothing."""
+    return torch.where(labels != -100, CLASS_WEIGHTS[labels.clamp(min=0)], 0.0)
+
+
+def weighted_loss_sum(net: torch.nn.Module, batch: dict[str, Tensor]) -> Tensor:
+    per_token = F.cross_entropy(
+        net(batch["x"]).flatten(0, 1), batch["labels"].flatten(), ignore_index=-100, reduction="none"
+    )
+    return (token_weights(batch["labels"]).flatten() * per_token).sum()
+
+
+def weighted_mean(module: TokenModule, batch: dict[str, Tensor], loss: Tensor) -> dict[str, Tensor]:
+    """What the user's `training_step` returns: the micro-batch's weighted mean loss, in a dict."""
+    return {"loss": weighted_loss_sum(module.net, batch) / token_weights(batch["labels"]).sum()}
+
+
+def weighted_reference(data: list[list[dict[str, Tensor]]], accumulate: int) -> dict[str, Tensor]:
+    """Plain torch, one process: per optimizer step, sum of w·loss over every valid target of the step over sum of w."""
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    for window in windows_of(len(data[0]), accumulate):
+        step_batches = [rank[i] for rank in data for i in window]
+        total = sum(float(token_weights(b["labels"]).sum()) for b in step_batches)
+        optimizer.zero_grad()
+        loss = sum(weighted_loss_sum(net, b) for b in step_batches) / total
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        optimizer.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+class WeightCount:
+    """``count_fn``: the sum of the micro-batch's target weights. Each forked rank appends every count to a file."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def __call__(self, batch: dict[str, Tensor]) -> Tensor:
+        count = token_weights(batch["labels"]).sum()
+        with (self.out / f"count_fn-{torch.distributed.get_rank()}.txt").open("a") as calls:
+            calls.write(f"{float(count)!r}\n")
+        return count
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_dict_output_and_custom_count_fn(tmp_path: Path, mode: str) -> None:
-    calls: list[int] = []
-
-    def count_fn(batch: dict[str, Tensor]) -> Tensor:
-        calls.append(1)
-        return (batch["labels"] >= 0).sum()
-
+    """A class-weighted mean: the count is a float sum of weights, which the default token count would not give."""
     data = ragged_batches(2, 4, seed=6)
-    strategy = strategy_for(mode, count_fn=count_fn)
-    params, _ = fit(TokenModule(data, as_dict=True), strategy, tmp_path, accumulate_grad_batches=2, devices=2)
-    expected, _ = reference(data, constant(2))
+    expected = weighted_reference(data, 2)
+    token_mean_objective, _ = reference(data, constant(2))
+    assert relative_error(token_mean_objective, expected) > 1e-3, "the weights change nothing: the test could not fail"
+    strategy = strategy_for(mode, count_fn=WeightCount(tmp_path))
+    module = TokenModule(data, output_fn=weighted_mean)
+    params, windows = fit(module, strategy, tmp_path / "run", accumulate_grad_batches=2)
     assert relative_error(params, expected) < EXACT
+    assert [w["global_count"] for w in windows] == [
+        pytest.approx(sum(float(token_weights(rank[i]["labels"]).sum()) for rank in data for i in window), rel=EXACT)
+        for window in windows_of(4, 2)
+    ]
+    for rank in (0, 1):  # once per micro-batch, in order, on every rank
+        calls = [float(line) for line in (tmp_path / f"count_fn-{rank}.txt").read_text().split()]
+        assert calls == [float(token_weights(b["labels"]).sum()) for b in data[rank]], f"rank {rank}"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_default_count_misses_the_weighted_objective(tmp_path: Path, mode: str) -> None:
+    """The control: the same weighted means under the default count (valid tokens) optimize another objective."""
+    data = ragged_batches(2, 4, seed=6)
+    params, _ = fit(TokenModule(data, output_fn=weighted_mean), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    assert relative_error(params, weighted_reference(data, 2)) > 1e-6
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -240,8 +351,10 @@ class WithLBFGS(TokenModule):
     [(Manual, "needs automatic optimization"), (WithLBFGS, "does not support `torch.optim.LBFGS`")],
 )
 def test_unsupported_setups(tmp_path: Path, module_cls: type[TokenModule], match: str) -> None:
-    with pytest.raises(Exception, match=match):
-        fit(module_cls(ragged_batches(2, 2)), strategy_for("lookahead"), tmp_path)
+    module = module_cls(ragged_batches(2, 2))
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy_for("lookahead"), tmp_path))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: ") and match in errors[0], errors[0]
 
 
 class TupleBatches(TokenModule):
@@ -257,8 +370,10 @@ class TupleBatches(TokenModule):
 @pytest.mark.parametrize("mode", MODES)
 def test_default_count_needs_labels(tmp_path: Path, mode: str) -> None:
     """Without a `labels` key the default count cannot work: every rank says so, naming `count_fn`."""
-    with pytest.raises(Exception, match=r"ranks 0, 1: `count_fn` failed"):
-        fit(TupleBatches(ragged_batches(2, 2)), strategy_for(mode), tmp_path)
+    module = TupleBatches(ragged_batches(2, 2))
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy_for(mode), tmp_path))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("DenominatorError: ") and "ranks 0, 1: `count_fn` failed" in errors[0], errors[0]
 
 
 @pytest.mark.distributed

@@ -6,17 +6,16 @@ that fails does not stop the next; the script then exits with status 1).
 
     python tests/scripts/launch_token_mean.py OUT_DIR --mode deferred                        # subprocess launcher
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method spawn
-    torchrun --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
+    torchrun --standalone --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
     torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29400 \\
         tests/scripts/launch_token_mean.py OUT_DIR --nodes 2        # and the same command with --node_rank=1
 
-A rank that leaves: at batch 1 rank 1 dies (os._exit(1)) or stalls, and rank 0 must fail within the collective
-timeout. The process that sees the failure writes it to OUT_DIR/MODE/error-{rank0,rank1,launcher}.txt with the
-time (under fork and spawn the launcher reports its workers' errors), and rank 1 writes the time it left:
+A rank that stalls: at batch 1 rank 1 stops answering until it is terminated, and rank 0 must fail within the
+collective timeout. The process that sees the failure writes it to OUT_DIR/MODE/error-{rank0,rank1,launcher}.txt
+(under fork and spawn the launcher reports its workers' errors), and rank 1 writes OUT_DIR/MODE/rank1_left.txt when it
+stalls:
 
-    python tests/scripts/launch_token_mean.py OUT_DIR --rank1 die --timeout 60
-    python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method fork --rank1 stall \\
-        --timeout 5
+    python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead --start-method fork --rank1 stall --timeout 5
 
 Under popen and spawn the timeout also bounds the rendezvous, which waits for the child processes to import torch and
 Lightning (3 to 15 s on a busy 2-core machine): a 5 s timeout can fail there, before training starts. Forked workers
@@ -27,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import signal
 import sys
-import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -46,30 +43,27 @@ from token_mean import TokenMeanDDPStrategy
 
 DATA_SEED, BATCHES, ACCUMULATE, EPOCHS = 11, 7, 3, 2
 LEAVE_AT_BATCH = 1  # inside the first window (K = 3): rank 0 next waits in the window's collective
-STALL_SECONDS = 90  # longer than any timeout under test
 
 
 def data() -> list[list[Batch]]:
     return ragged_batches(2, BATCHES, seed=DATA_SEED)
 
 
-class LeavingRank(TokenModule):
-    """Rank 1 dies or stalls inside `training_step` at `LEAVE_AT_BATCH` of the first epoch."""
+class StallingRank(TokenModule):
+    """Rank 1 stops answering inside `training_step` at `LEAVE_AT_BATCH` of the first epoch, until it is terminated."""
 
-    def __init__(self, data: list[list[Batch]], how: str, out: Path) -> None:
+    def __init__(self, data: list[list[Batch]], out: Path) -> None:
         super().__init__(data)
-        self.how = how
         self.out = out
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         if self.global_rank == 1 and self.current_epoch == 0 and batch_idx == LEAVE_AT_BATCH:
-            (self.out / "rank1_left.txt").write_text(repr(time.time()))
-            if self.how == "die":
-                os._exit(1)
+            (self.out / "rank1_left.txt").write_text(f"stalled at batch {batch_idx}")
             # Lightning's handler only records a SIGTERM; the default lets the launcher end this rank at once
             # instead of after torch's 30 s grace period, once rank 0 has failed.
             signal.signal(signal.SIGTERM, signal.SIG_DFL)
-            time.sleep(STALL_SECONDS)
+            while True:
+                signal.pause()
         return super().training_step(batch, batch_idx)
 
 
@@ -92,7 +86,7 @@ def main() -> None:
     parser.add_argument("--mode", nargs="+", choices=("lookahead", "deferred"), default=["lookahead"])
     parser.add_argument("--start-method", choices=("popen", "spawn", "fork"), default="popen", help="not torchrun")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one process per node (torchrun)")
-    parser.add_argument("--rank1", choices=("die", "stall"), help="make rank 1 leave the job")
+    parser.add_argument("--rank1", choices=("stall",), help="make rank 1 stop answering")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait (DDP's `timeout`)")
     args = parser.parse_args()
     if args.start_method == "fork":
@@ -113,12 +107,12 @@ def main() -> None:
             use_distributed_sampler=False, num_sanity_val_steps=0,
         )
         try:
-            trainer.fit(TokenModule(data()) if args.rank1 is None else LeavingRank(data(), args.rank1, out))
+            trainer.fit(TokenModule(data()) if args.rank1 is None else StallingRank(data(), out))
         except BaseException as error:
             # fork and spawn: this is the launcher, reporting the error of the first worker that failed
             launcher = args.start_method in ("fork", "spawn")
             (out / f"error-{'launcher' if launcher else f'rank{trainer.global_rank}'}.txt").write_text(
-                f"{time.time()!r}\n{type(error).__name__}: {error}"
+                f"{type(error).__name__}: {error}"
             )
             if not launcher or not isinstance(error, Exception):
                 raise  # this process's own process group is broken
