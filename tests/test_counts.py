@@ -10,6 +10,7 @@ them), which is a different objective.
 from __future__ import annotations
 
 import math
+import re
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -35,6 +36,7 @@ from _harness import (
     relative_error,
     windows_of,
 )
+from _ranks import raises_everywhere
 from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor, nn
@@ -640,13 +642,18 @@ def test_num_items_names_shifted_labels(tmp_path: Path) -> None:
     """Lookahead with the default count and a model that reports 'num_items': the error names the cause and fix."""
     data = causal_lm_batches(2, 4, seed=31)
     module = ObjectiveModule(TinyCausalLM(), data, reporting_num_items)  # type: ignore[arg-type]
-    hint = r"labels are shifted inside the model; use `count_fn=token_mean.count_shifted_labels`"
-    with pytest.raises(Exception, match=hint):
-        fit(module, TokenMeanDDPStrategy(**FORK), tmp_path, accumulate_grad_batches=2)
+    hint = "labels are shifted inside the model; use `count_fn=token_mean.count_shifted_labels`"
+    errors = raises_everywhere(
+        tmp_path / "outcomes",
+        lambda: fit(module, TokenMeanDDPStrategy(**FORK), tmp_path, accumulate_grad_batches=ACCUMULATE),
+    )
+    for message in errors:
+        assert message.startswith("DenominatorError") and hint in message, message
     # the right count agrees with what the model reports: no error, and exact
     params, _ = fit(module, TokenMeanDDPStrategy(count_fn=count_shifted_labels, **FORK), tmp_path / "right",
-                    accumulate_grad_batches=2)
-    assert params
+                    accumulate_grad_batches=ACCUMULATE)
+    expected = run_reference(TinyCausalLM(), data, shifted_lm_objective)
+    assert relative_error(params, expected) < EXACT
 
 
 def fit_monitored(
@@ -680,8 +687,13 @@ def test_monitor_flags_a_wrong_count_definition_at_step_0(tmp_path: Path) -> Non
         trace = tmp_path / f"ref-{name}.csv"
         fit_monitored(tmp_path / f"ref-{name}", merged, devices=1, accumulate=1, count_fn=count_fn, record=trace)
         if name == "wrong":
-            with pytest.raises(Exception, match=r"step 0 diverged[\s\S]*count_shifted_labels"):
-                fit_monitored(tmp_path / name, data, devices=2, accumulate=2, count_fn=count_fn, reference=trace)
+            errors = raises_everywhere(
+                tmp_path / "outcomes",
+                lambda: fit_monitored(tmp_path / "wrong", data, devices=2, accumulate=2, count_fn=count_valid_labels,
+                                      reference=tmp_path / "ref-wrong.csv"),
+            )
+            for message in errors:
+                assert re.search(r"DivergenceError: .*step 0 diverged[\s\S]*count_shifted_labels", message), message
         else:
             fit_monitored(tmp_path / name, data, devices=2, accumulate=2, count_fn=count_fn, reference=trace,
                           rtol=1e-9)
