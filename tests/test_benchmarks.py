@@ -64,7 +64,8 @@ def test_overhead_quick(tmp_path: Path) -> None:
     assert {(r["model"], r["accumulate"], r["method"]) for r in rows} == expected
     assert all(r["peak_rss_mib"] > 0 for r in rows)
     collectives = payload["collectives_gloo_2proc"]
-    assert isinstance(collectives, dict) and collectives["all_gather_record_us"] > 0
+    assert isinstance(collectives, dict) and collectives["all_reduce_record_us"] > 0
+    assert all(r["exchange_ms_per_step"] == 0 for r in rows if r["method"] == "plain")
 
 
 @pytest.mark.distributed
