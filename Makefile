@@ -26,9 +26,14 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
+# Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: ~10 min on 2 cores.
 bench: $(STAMP)
+	$(PY) benchmarks/cost.py
+	$(PY) benchmarks/scale_model.py
+	$(PY) benchmarks/slow_loader.py
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/model_parallel.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

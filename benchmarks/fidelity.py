@@ -6,8 +6,11 @@ SGD-with-momentum steps by plain ``DDPStrategy``, ``TokenMeanDDPStrategy(mode="l
 takes, for each optimizer step, the mean loss over every valid token of all ranks and micro-batches, in float64.
 The error is the largest per-tensor ‖p − p_ref‖ / ‖p_ref‖. Target: lookahead and deferred ≤ 1e-12 in float64.
 
+The model, data, loss and reference are the test suite's own (``tests/_harness.py``: ``TokenNet``,
+``sft_batches``, ``reference``).
+
     .venv/bin/python benchmarks/fidelity.py                  # full grid, 216 fits, a few minutes on 2 cores
-    .venv/bin/python benchmarks/fidelity.py --quick          # P=2, K=4 only (< 30 s)
+    .venv/bin/python benchmarks/fidelity.py --quick          # P=2, K=4 only (< 30 s), into a temporary folder
     .venv/bin/python benchmarks/fidelity.py --json out.json --markdown out.md
 """
 
@@ -21,21 +24,25 @@ from typing import Any
 
 import torch
 from _common import (
-    METHODS,
-    RAGGEDNESS,
-    ROOT,
-    SaveParams,
-    TokenModule,
-    cast,
+    add_output_arguments,
     environment,
     environment_markdown,
-    fit,
     markdown_table,
+    output_paths,
     quiet_lightning,
-    ragged_data,
+    write_results,
+)
+from _harness import (
+    METHODS,
+    RAGGEDNESS,
+    TokenModule,
+    cast,
+    constant,
+    fit,
     reference,
     relative_error,
-    write_json,
+    sft_batches,
+    strategy_for,
 )
 
 # Workers are forked from this process, and a forked child deadlocks in its first parallel op if the parent's
@@ -55,19 +62,15 @@ Cell = dict[str, Any]
 
 def run_cell(devices: int, accumulate: int, raggedness: str, dtype: str, workdir: Path) -> list[Cell]:
     """Train every method on one grid cell and measure its error against the float64 reference."""
-    data = ragged_data(raggedness, devices, STEPS * accumulate, seed=devices * 100 + accumulate)
-    expected = reference(data, accumulate, LR, MOMENTUM)
+    data = sft_batches(raggedness, devices, STEPS * accumulate, seed=devices * 100 + accumulate)
+    expected, _ = reference(data, constant(accumulate), lr=LR, momentum=MOMENTUM)
     counts = [int((b["labels"] != -100).sum()) for rank in data for b in rank]
     cells: list[Cell] = []
     for method in METHODS:
-        path = workdir / f"P{devices}-K{accumulate}-{raggedness}-{dtype}-{method}.pt"
-        module = TokenModule(cast(data, DTYPES[dtype]), DTYPES[dtype], LR, MOMENTUM)
+        path = workdir / f"P{devices}-K{accumulate}-{raggedness}-{dtype}-{method}"
+        module = TokenModule(cast(data, DTYPES[dtype]), dtype=DTYPES[dtype], lr=LR, momentum=MOMENTUM)
         started = time.perf_counter()
-        fit(
-            module, method, devices, callbacks=[SaveParams(path)], accumulate_grad_batches=accumulate,
-            max_epochs=1, use_distributed_sampler=False,
-        )
-        params = torch.load(path, weights_only=True)
+        params, _ = fit(module, strategy_for(method), path, devices, accumulate_grad_batches=accumulate)
         cells.append({
             "world_size": devices, "accumulate": accumulate, "raggedness": raggedness, "dtype": dtype,
             "method": method, "relative_error": relative_error(params, expected),
@@ -111,17 +114,17 @@ def verdict(cells: list[Cell]) -> tuple[bool, str]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="P=2, K=4 only: every raggedness, method and dtype")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/fidelity.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/fidelity.md")
+    add_output_arguments(parser, "fidelity")  # --quick: P=2, K=4 only, every raggedness, method and dtype
     args = parser.parse_args()
+    json_path, markdown_path = output_paths(args, "fidelity")
     quiet_lightning()
     world_sizes = QUICK["world_sizes"] if args.quick else WORLD_SIZES
     accumulations = QUICK["accumulations"] if args.quick else ACCUMULATIONS
     configuration = {
         "world_sizes": list(world_sizes), "accumulations": list(accumulations), "raggedness": list(RAGGEDNESS),
         "methods": list(METHODS), "dtypes": list(DTYPES), "steps": STEPS, "optimizer": f"SGD(lr={LR},"
-        f" momentum={MOMENTUM})", "model": "Linear(8,16)-tanh-Linear(16,11), token-level cross-entropy",
+        f" momentum={MOMENTUM})", "model": "tests/_harness.py TokenNet: Linear(5,6)-tanh-Linear(6,7), token-level"
+        " cross-entropy", "data": "tests/_harness.py sft_batches",
         "rows_per_micro_batch": 4, "reference": "plain torch, unpartitioned, float64", "backend": "gloo, fork",
         "quick": args.quick,
     }
@@ -144,11 +147,9 @@ def main() -> None:
         markdown_table(headers, summary_rows(cells)),
         line,
     ])
-    write_json(args.json, {"environment": env, "target": EXACT, "pass": ok, "cells": cells})
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(markdown + "\n")
+    write_results(json_path, markdown_path, {"environment": env, "target": EXACT, "pass": ok, "cells": cells}, markdown)
     print(markdown)
-    print(f"wrote {args.json} and {args.markdown} in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {json_path} and {markdown_path} in {time.perf_counter() - started:.0f} s")
 
 
 if __name__ == "__main__":

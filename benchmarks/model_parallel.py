@@ -3,7 +3,7 @@ same device mesh, model, data and optimizer.
 
     .venv/bin/python benchmarks/model_parallel.py                   # FSDP2 over 2 gloo CPU processes, ~1-2 min
     .venv/bin/python benchmarks/model_parallel.py --mesh 2x2        # FSDP2 × tensor parallelism, 4 processes
-    .venv/bin/python benchmarks/model_parallel.py --quick           # smoke test, < 1 min
+    .venv/bin/python benchmarks/model_parallel.py --quick           # smoke test, < 1 min, into a temporary folder
     .venv/bin/python benchmarks/model_parallel.py --json out.json --markdown out.md
 
 Lightning's own subprocess launcher (the only one ``ModelParallelStrategy`` has) re-runs this script in every child,
@@ -33,7 +33,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from _common import ROOT, environment, environment_markdown, markdown_table, quiet_lightning, write_json
+from _common import environment, environment_markdown, markdown_table, output_paths, quiet_lightning, write_results
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
@@ -144,9 +144,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per fit")
     parser.add_argument("--steps", type=int, default=10, help="timed optimizer steps per fit")
     parser.add_argument("--repeats", type=int, default=5, help="interleaved repetitions of plain/lookahead/deferred")
-    parser.add_argument("--quick", action="store_true", help="2 warm-up and 4 timed steps, 1 repetition")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks" / "results" / "model_parallel.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks" / "results" / "model_parallel.md")
+    parser.add_argument("--quick", action="store_true", help="2 warm-up and 4 timed steps, 1 repetition (temp folder)")
+    parser.add_argument("--json", type=Path, help="default: benchmarks/results/model_parallel.json")
+    parser.add_argument("--markdown", type=Path, help="default: benchmarks/results/model_parallel.md")
     args = parser.parse_args()
     if args.quick:
         args.warmup, args.steps, args.repeats = 2, 4, 1
@@ -177,7 +177,7 @@ def main() -> None:
         "ratios": ratios,
         **{f"ratio_{method}": statistics.median(values) for method, values in ratios.items()},
     }
-    write_json(args.json, payload)
+    json_path, markdown_path = output_paths(args, "model_parallel")  # rank 0 only: every rank runs this script
     rows = [["plain", f"{statistics.median(times['plain']) * 1e3:.1f}", "1", "—"]]
     for method, values in ratios.items():
         rows.append([method, f"{statistics.median(times[method]) * 1e3:.1f}", f"{statistics.median(values):.3f}",
@@ -186,8 +186,7 @@ def main() -> None:
     mesh = f"{data_parallel} data-parallel × {tensor_parallel} tensor-parallel"
     text = f"# Model parallel: step time against plain ModelParallelStrategy ({mesh}, K = {args.accumulate})\n\n"
     text += f"{environment_markdown(env)}\n\n{table}\n"
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(text)
+    write_results(json_path, markdown_path, payload, text)
     print(text)
     print(json.dumps({key: value for key, value in payload.items() if key.startswith("ratio_")}))
     sys.stdout.flush()

@@ -8,10 +8,12 @@ Trainer set-up are excluded. Fits are interleaved plain/lookahead/deferred, plai
 repetition gives a ratio (seconds per step of the mode / of plain DDP in the same repetition), and the table shows
 their median and spread. Peak host memory (VmHWM, reset when training starts) is read by each rank.
 
-It also times the small collectives the strategy adds (gloo, 2 processes), the α used in benchmarks/README.md.
+It also times the strategy's one collective in isolation (an all-reduce of the window record, gloo, 2 processes)
+and, during training, how long the host waits for it (``Exchange.wait``: 0 when the last backward hid it). ``tiny``
+is the test suite's own model and data (``tests/_harness.py``).
 
     .venv/bin/python benchmarks/overhead.py            # ~6 min on 2 idle cores
-    .venv/bin/python benchmarks/overhead.py --quick    # < 60 s, smaller batches and fewer repetitions
+    .venv/bin/python benchmarks/overhead.py --quick    # < 60 s, smaller batches and fewer repetitions (temp folder)
     .venv/bin/python benchmarks/overhead.py --json out.json --markdown out.md
 
 Target: median ratio ≤ 1.02 at K=4 on tinylm. Ranks are timed on rank 0; ratios, never single absolute times, are
@@ -34,20 +36,15 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from _common import (
-    METHODS,
-    ROOT,
-    Batch,
-    ListDataset,
-    TokenModule,
-    cast,
+    add_output_arguments,
     environment,
     environment_markdown,
-    fit,
     markdown_table,
+    output_paths,
     quiet_lightning,
-    ragged_data,
-    write_json,
+    write_results,
 )
+from _harness import METHODS, Batch, ListDataset, TokenModule, cast, sft_batches, strategy_for, train
 from lightning.pytorch.callbacks import Callback
 from stdlib_corpus import PairDataset, collate, load_pairs
 from tiny_lm import LMConfig, TinyLM, masked_lm_loss
@@ -55,13 +52,14 @@ from torch import Tensor
 from torch.multiprocessing.spawn import start_processes
 from torch.utils.data import DataLoader
 
+from token_mean._window import RECORD_SIZE, Exchange
+
 # Workers are forked from this process, and a forked child deadlocks in its first parallel op if the parent's
 # OpenMP pool has run: one intra-op thread per process (2 processes on 2 cores), set before any torch op.
 torch.set_num_threads(1)
 
 DEVICES = 2
 ACCUMULATIONS = (1, 4)
-RECORD_SIZE = 10  # float64 values per rank in the strategy's window record: count, loss sum, length, 7 flags
 
 
 @dataclass
@@ -116,8 +114,8 @@ def lm_shards(micro_batches: int, batch_size: int) -> list[list[Batch]]:
 def make_workload(model: str, micro_batches: int, settings: Settings) -> Callable[[], pl.LightningModule]:
     """A factory of fresh modules over fixed data, so that every fit starts from the same weights."""
     if model == "tiny":
-        data = cast(ragged_data("sft", DEVICES, micro_batches, seed=0), torch.float32)
-        return lambda: TokenModule(data, torch.float32, lr=0.1, momentum=0.9)
+        data = cast(sft_batches("sft", DEVICES, micro_batches, seed=0), torch.float32)
+        return lambda: TokenModule(data, dtype=torch.float32, lr=0.1, momentum=0.9)
     shards = lm_shards(micro_batches, settings.lm_batch_size)
     return lambda: LMModule(shards)
 
@@ -127,19 +125,17 @@ def make_workload(model: str, micro_batches: int, settings: Settings) -> Callabl
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class _GatherClock:
-    """Wall time spent inside ``torch.distributed.all_gather*``: the strategy's window records, which plain DDP
-    never gathers. Installed in the parent, inherited by the forked workers; it measures waiting for the slowest rank
-    as well as the collective itself."""
+class _ExchangeClock:
+    """Wall time the host spends waiting for the strategy's window record (``Exchange.wait``, which ``read`` and
+    deferred mode's gradient hook call): the exposed part of its one collective, waiting for the slower rank
+    included. Plain DDP has no such record. Installed in the parent, inherited by the forked workers."""
 
     seconds = 0.0
 
     @classmethod
     def install(cls) -> None:
-        for name in ("all_gather_into_tensor", "all_gather_single", "all_gather"):
-            original = getattr(dist, name, None)
-            if original is not None and not getattr(original, "_timed", False):
-                setattr(dist, name, cls._wrap(original))
+        if not getattr(Exchange.wait, "_timed", False):
+            Exchange.wait = cls._wrap(Exchange.wait)  # type: ignore[method-assign]
 
     @classmethod
     def _wrap(cls, original: Callable[..., Any]) -> Callable[..., Any]:
@@ -172,7 +168,7 @@ class StepTimer(Callback):
     @staticmethod
     def _now() -> tuple[float, float, float]:
         # process_time: CPU of every thread of this rank, gloo's included; it leaves out time spent descheduled
-        return time.perf_counter(), time.process_time(), _GatherClock.seconds
+        return time.perf_counter(), time.process_time(), _ExchangeClock.seconds
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         try:  # "5" resets VmHWM to the current RSS (Linux ≥ 4.0), so the peak is that of training alone
@@ -204,7 +200,7 @@ class Run:
     repeat: int
     seconds_per_step: float  # wall, rank 0
     cpu_seconds_per_step: float  # CPU time, mean over ranks
-    gather_ms_per_step: float  # in torch.distributed.all_gather*, max over ranks (0 for plain DDP)
+    exchange_ms_per_step: float  # waiting for the window record (Exchange.wait), max over ranks (0 for plain DDP)
     peak_rss_mib: float  # max over ranks
     rss_growth_mib: float  # max over ranks of (peak during training − RSS when training started)
 
@@ -214,12 +210,12 @@ def timed_fit(
 ) -> Run:
     directory = tmp / f"{model}-K{accumulate}-{method}-{repeat}"
     directory.mkdir()
-    fit(
-        module, method, DEVICES, callbacks=[StepTimer(directory)], accumulate_grad_batches=accumulate,
-        max_steps=settings.warmup_steps + settings.timed_steps, max_epochs=1, use_distributed_sampler=False,
+    train(
+        module, strategy_for(method), DEVICES, callbacks=[StepTimer(directory)], accumulate_grad_batches=accumulate,
+        max_steps=settings.warmup_steps + settings.timed_steps,
     )
     ranks = [json.loads((directory / f"rank{rank}.json").read_text()) for rank in range(DEVICES)]
-    per_step: list[list[float]] = []  # per rank: (wall, cpu, gather) seconds per timed step
+    per_step: list[list[float]] = []  # per rank: (wall, cpu, exchange wait) seconds per timed step
     for rank in ranks:
         timed = rank["stamps"][settings.warmup_steps :]
         if len(timed) != settings.timed_steps + 1:
@@ -229,21 +225,20 @@ def timed_fit(
         model, accumulate, method, repeat,
         seconds_per_step=per_step[0][0],  # ranks meet in every step's gradient all-reduce: rank 0 sees the pace
         cpu_seconds_per_step=statistics.mean(r[1] for r in per_step),
-        gather_ms_per_step=max(r[2] for r in per_step) * 1e3,
+        exchange_ms_per_step=max(r[2] for r in per_step) * 1e3,
         peak_rss_mib=max(r["peak_rss_kib"] for r in ranks) / 1024,
         rss_growth_mib=max(r["peak_rss_kib"] - r["start_rss_kib"] for r in ranks) / 1024,
     )
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# small collectives: the α of the scale model
+# the window record's collective in isolation
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def _collective_worker(rank: int, init_file: str, out: str, iterations: int) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=DEVICES)
     record = torch.zeros(RECORD_SIZE, dtype=torch.float64)
-    gathered = torch.empty(DEVICES * RECORD_SIZE, dtype=torch.float64)
     bucket = torch.zeros(25 * 2**20 // 4, dtype=torch.float32)  # DDP's default 25 MiB bucket
 
     def median_us(op: Callable[[], object], repeat: int) -> float:
@@ -256,7 +251,6 @@ def _collective_worker(rank: int, init_file: str, out: str, iterations: int) -> 
 
     dist.barrier()
     result = {
-        "all_gather_record_us": median_us(lambda: dist.all_gather_into_tensor(gathered, record), iterations),
         "all_reduce_record_us": median_us(lambda: dist.all_reduce(record), iterations),
         "barrier_us": median_us(dist.barrier, iterations),
         "all_reduce_25MiB_us": median_us(lambda: dist.all_reduce(bucket), max(iterations // 50, 3)),
@@ -313,8 +307,10 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
                     "ratio_min": min(ratios), "ratio_max": max(ratios), "ratio_min_max_width": width,
                     "ratios": ratios, "ratio_best": best, "cpu_ratio_median": statistics.median(cpu_ratios),
                     "cpu_seconds_per_step": statistics.median(r.cpu_seconds_per_step for r in mine),
-                    "gather_ms_per_step": statistics.median(r.gather_ms_per_step for r in mine),
-                    "gather_share": statistics.median(r.gather_ms_per_step / 1e3 / r.seconds_per_step for r in mine),
+                    "exchange_ms_per_step": statistics.median(r.exchange_ms_per_step for r in mine),
+                    "exchange_share": statistics.median(
+                        r.exchange_ms_per_step / 1e3 / r.seconds_per_step for r in mine
+                    ),
                     "peak_rss_mib": statistics.median(r.peak_rss_mib for r in mine),
                     "rss_growth_mib": statistics.median(r.rss_growth_mib for r in mine),
                 })
@@ -324,14 +320,14 @@ def summarize(runs: list[Run]) -> list[dict[str, Any]]:
 def table(rows: list[dict[str, Any]]) -> str:
     headers = [
         "model", "K", "method", "steps/s", "ratio (median)", "IQR", "min–max", "best/best", "CPU ratio",
-        "gather ms/step", "gather share", "peak RSS MiB", "RSS growth MiB",
+        "exchange wait ms/step", "its share", "peak RSS MiB", "RSS growth MiB",
     ]
     body = [
         [
             r["model"], r["accumulate"], r["method"], f"{r['steps_per_second']:.3g}", f"{r['ratio_median']:.3f}",
             f"{r['ratio_q1']:.3f}–{r['ratio_q3']:.3f}", f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f}",
-            f"{r['ratio_best']:.3f}", f"{r['cpu_ratio_median']:.3f}", f"{r['gather_ms_per_step']:.2f}",
-            f"{r['gather_share']:.1%}",
+            f"{r['ratio_best']:.3f}", f"{r['cpu_ratio_median']:.3f}", f"{r['exchange_ms_per_step']:.2f}",
+            f"{r['exchange_share']:.1%}",
             f"{r['peak_rss_mib']:.0f}", f"{r['rss_growth_mib']:.1f}",
         ]
         for r in rows
@@ -341,15 +337,15 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--quick", action="store_true", help="fewer, smaller steps and 2 repetitions (< 60 s)")
-    parser.add_argument("--json", type=Path, default=ROOT / "benchmarks/results/overhead.json")
-    parser.add_argument("--markdown", type=Path, default=ROOT / "benchmarks/results/overhead.md")
+    add_output_arguments(parser, "overhead")  # --quick: fewer, smaller steps and 2 repetitions (< 60 s)
     args = parser.parse_args()
+    json_path, markdown_path = output_paths(args, "overhead")
     quiet_lightning()
     settings = QUICK if args.quick else FULL
     env = environment({
         **asdict(settings), "devices": DEVICES, "accumulations": list(ACCUMULATIONS), "backend": "gloo, fork",
-        "tiny": "Linear(8,16)-tanh-Linear(16,11) on sft-like ragged token batches of 4 rows, SGD(momentum=0.9)",
+        "tiny": "tests/_harness.py TokenNet Linear(5,6)-tanh-Linear(6,7) on sft_batches('sft') of 4 rows, float32,"
+        " SGD(momentum=0.9)",
         "tinylm": f"examples/tiny_lm.py TinyLM(LMConfig()) ~0.51M params, {settings.lm_batch_size} stdlib-corpus"
         " samples per micro-batch (up to 640 tokens), AdamW",
         "timing": "rank 0, end of warm-up step to end of last step, per fit; ratio per repetition vs plain",
@@ -360,7 +356,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
         collectives = collective_latency(tmp, iterations=100 if args.quick else 1000)
-        _GatherClock.install()  # after the latency probe, which gathers too
+        _ExchangeClock.install()
         for model in ("tiny", "tinylm"):
             for accumulate in ACCUMULATIONS:
                 micro_batches = (settings.warmup_steps + settings.timed_steps) * accumulate
@@ -376,11 +372,10 @@ def main() -> None:
         **ratios, "target": 1.02, "environment": env, "collectives_gloo_2proc": collectives, "rows": rows,
         "runs": [asdict(r) for r in runs],
     }
-    write_json(args.json, payload)
     collective_line = (
-        f"gloo, 2 processes, median of one blocking call: all_gather of the {RECORD_SIZE}-float64 window record"
-        f" {collectives['all_gather_record_us']:.0f} µs, all_reduce of it {collectives['all_reduce_record_us']:.0f}"
-        f" µs, barrier {collectives['barrier_us']:.0f} µs, all_reduce of a 25 MiB bucket"
+        f"gloo, 2 processes, median of one blocking call: all_reduce of the {RECORD_SIZE}-float64 window record"
+        f" {collectives['all_reduce_record_us']:.0f} µs, barrier {collectives['barrier_us']:.0f} µs, all_reduce of a"
+        " 25 MiB bucket"
         f" {collectives['all_reduce_25MiB_us'] / 1e3:.1f} ms ({collectives['all_reduce_bus_GBps']:.2f} GB/s)."
     )
     markdown = "\n\n".join([
@@ -389,17 +384,16 @@ def main() -> None:
         f"{settings.repeats} interleaved repetitions; each fit: {settings.warmup_steps} warm-up + "
         f"{settings.timed_steps} timed optimizer steps. Ratio = time per step of the method / plain DDP's in the"
         " same repetition (< 1 is faster); best/best = fastest fit of the method / fastest plain fit; CPU ratio ="
-        " median paired ratio of CPU time per step (mean over ranks), which a busy machine inflates least; gather"
-        " = wall time per step inside torch.distributed.all_gather* (the strategy's window records, waiting for the"
-        " slower rank included), and its share of the step time. RSS growth = peak during training − RSS when"
-        " training started, max over ranks.",
+        " median paired ratio of CPU time per step (mean over ranks), which a busy machine inflates least; exchange"
+        " wait = wall time per step the host spent waiting for the strategy's window record (its one all-reduce,"
+        " waiting for the slower rank included), and its share of the step time. RSS growth = peak during training"
+        " − RSS when training started, max over ranks.",
         table(rows),
         collective_line,
     ])
-    args.markdown.parent.mkdir(parents=True, exist_ok=True)
-    args.markdown.write_text(markdown + "\n")
+    write_results(json_path, markdown_path, payload, markdown)
     print(markdown)
-    print(f"wrote {args.json} and {args.markdown} in {time.perf_counter() - started:.0f} s")
+    print(f"wrote {json_path} and {markdown_path} in {time.perf_counter() - started:.0f} s")
     for name, value in ratios.items():
         print(f"{name} (tinylm, K={max(ACCUMULATIONS)}): {value:.3f}")
 

@@ -1,7 +1,10 @@
 """A token-level model, ragged per-rank data and the plain-torch unpartitioned reference the strategy must match.
 
 Every distributed test here follows torchmetrics' rule: each rank trains on its own share, and the result is
-compared with a plain-torch run over the concatenated data of each optimizer step.
+compared with a plain-torch run over the concatenated data of each optimizer step. The benchmarks use the same
+pieces (``benchmarks/_common.py`` puts this directory on ``sys.path``), so tests and benchmarks measure one model,
+one loss, one reference. Nothing here imports ``token_mean`` except ``strategy_for``, lazily: the reference stays
+independent of the code it checks.
 """
 
 from __future__ import annotations
@@ -19,8 +22,11 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 FEATURES, CLASSES = 5, 7
+IGNORE_INDEX = -100
 EXACT = 1e-12  # "exact": relative parameter error against the float64 reference
 MODES = ("lookahead", "deferred")
+METHODS = ("plain", *MODES)  # plain DDPStrategy, then the two modes of TokenMeanDDPStrategy
+LR, MOMENTUM = 0.5, 0.9  # SGD with momentum: a mis-weighted gradient moves the parameters visibly
 FORK: dict[str, Any] = {"start_method": "fork", "process_group_backend": "gloo"}  # ~0.2 s per 2-process run
 Batch = dict[str, Tensor]
 
@@ -47,6 +53,61 @@ def ragged_batches(ranks: int, batches: int, seed: int = 0, keep: Sequence[float
     return data
 
 
+RAGGEDNESS = ("uniform", "sft", "extreme")
+SFT_ROWS = 4  # samples per micro-batch, as a fixed batch size gives
+
+
+def _sft_lengths(generator: torch.Generator, low: int, high: int, log_mean: float, log_std: float) -> list[int]:
+    """SFT_ROWS log-normal lengths clipped to [low, high]: SFT responses run from one line to pages."""
+    draws = torch.randn(SFT_ROWS, generator=generator, dtype=torch.float64) * log_std + log_mean
+    return [int(min(max(round(float(torch.exp(d))), low), high)) for d in draws]
+
+
+def _sft_batch(generator: torch.Generator, prompts: list[int], responses: list[int]) -> Batch:
+    """Right-padded rows of prompt + response tokens; only response positions are targets."""
+    length = max(p + r for p, r in zip(prompts, responses, strict=True))
+    x = torch.randn(len(prompts), length, FEATURES, generator=generator, dtype=torch.float64)
+    labels = torch.full((len(prompts), length), IGNORE_INDEX, dtype=torch.long)
+    for row, (prompt, response) in enumerate(zip(prompts, responses, strict=True)):
+        labels[row, prompt : prompt + response] = torch.randint(0, CLASSES, (response,), generator=generator)
+    return {"x": x, "labels": labels}
+
+
+def sft_batches(raggedness: str, ranks: int, batches: int, seed: int = 0) -> list[list[Batch]]:
+    """Per-rank micro-batches of SFT_ROWS prompt-masked rows, at one of three raggedness levels.
+
+    - ``uniform``: every micro-batch holds 4 rows of 8 prompt and 8 response tokens (32 targets), so a mean of
+      means equals the token mean and plain DDP must be exact too.
+    - ``sft``: log-normal prompt (median 12) and response (median 8, 1..64) lengths: micro-batch counts vary
+      several-fold within and across ranks, and no micro-batch is empty.
+    - ``extreme``: ``sft``, but the last rank is nearly empty: one target token per micro-batch (with one rank,
+      every other micro-batch). Never zero, so plain DDP's mean stays finite and its error can be shown.
+    """
+    if raggedness not in RAGGEDNESS:
+        raise ValueError(f"`raggedness` must be one of {RAGGEDNESS}, got {raggedness!r}.")
+    generator = torch.Generator().manual_seed(seed)
+    data: list[list[Batch]] = []
+    for rank in range(ranks):
+        rank_batches: list[Batch] = []
+        for index in range(batches):
+            if raggedness == "uniform":
+                prompts, responses = [8] * SFT_ROWS, [8] * SFT_ROWS
+            else:
+                prompts = _sft_lengths(generator, 1, 48, 2.5, 0.6)
+                responses = _sft_lengths(generator, 1, 64, 2.1, 1.0)
+                nearly_empty = rank == ranks - 1 if ranks > 1 else index % 2 == 1
+                if raggedness == "extreme" and nearly_empty:
+                    responses = [1] + [0] * (SFT_ROWS - 1)
+            rank_batches.append(_sft_batch(generator, prompts, responses))
+        data.append(rank_batches)
+    return data
+
+
+def cast(data: list[list[Batch]], dtype: torch.dtype) -> list[list[Batch]]:
+    """The same batches with inputs in ``dtype`` (labels unchanged)."""
+    return [[{"x": b["x"].to(dtype), "labels": b["labels"]} for b in rank] for rank in data]
+
+
 def empty_like(batch: Batch) -> Batch:
     return {"x": batch["x"], "labels": torch.full_like(batch["labels"], -100)}
 
@@ -71,8 +132,19 @@ def initial_state(seed: int = 1) -> dict[str, Tensor]:
     return {k: v.clone() for k, v in TokenNet().state_dict().items()}
 
 
-def make_optimizer(params: Any, lr: float = 0.5, momentum: float = 0.9) -> torch.optim.Optimizer:
+def make_optimizer(params: Any, lr: float = LR, momentum: float = MOMENTUM) -> torch.optim.Optimizer:
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
+
+
+def strategy_for(method: str, **kwargs: Any) -> Any:
+    """Plain ``DDPStrategy`` (``"plain"``) or ``TokenMeanDDPStrategy`` in a mode, on forked gloo processes."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    if method == "plain":
+        return DDPStrategy(**FORK, **kwargs)
+    from token_mean import TokenMeanDDPStrategy  # the one import of the code under test, kept out of the reference
+
+    return TokenMeanDDPStrategy(mode=method, **FORK, **kwargs)
 
 
 class ListDataset(Dataset[Batch]):
@@ -106,15 +178,21 @@ class TokenModule(pl.LightningModule):
         iterable: bool = False,
         as_dict: bool = False,
         output_fn: Callable[[TokenModule, Batch, Tensor], Any] | None = None,
+        dtype: torch.dtype = torch.float64,
+        lr: float = LR,
+        momentum: float = MOMENTUM,
     ) -> None:
         super().__init__()
         self.net = TokenNet()
         self.net.load_state_dict(initial_state())
+        self.net.to(dtype)  # the float64 initial weights, rounded: every dtype starts where the reference does
         self.data = data
         self.reduction = reduction
         self.iterable = iterable
         self.as_dict = as_dict
         self.output_fn = output_fn
+        self.lr = lr
+        self.momentum = momentum
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         loss = token_loss(self.net, batch, self.reduction)
@@ -123,7 +201,7 @@ class TokenModule(pl.LightningModule):
         return {"loss": loss} if self.as_dict else loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
-        return make_optimizer(self.parameters())
+        return make_optimizer(self.parameters(), self.lr, self.momentum)
 
     def train_dataloader(self) -> DataLoader[Batch]:
         rank_batches = self.data[self.global_rank]
@@ -166,6 +244,28 @@ def full_tensor(value: Tensor) -> Tensor:
     return whole.detach().cpu()
 
 
+def train(
+    module: pl.LightningModule, strategy: Any, devices: int = 2, ckpt_path: Path | None = None, **trainer_kwargs: Any
+) -> None:
+    """``Trainer.fit`` on `devices` forked gloo CPU processes (resuming from `ckpt_path` if given), without logger,
+    checkpoints or progress bar. Forked workers return nothing: results travel through callbacks that write files
+    (``Recorder``)."""
+    trainer_kwargs.setdefault("max_epochs", 1)
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+        **trainer_kwargs,
+    )
+    trainer.fit(module, ckpt_path=ckpt_path)
+
+
 def fit(
     module: TokenModule,
     strategy: Any,
@@ -176,23 +276,9 @@ def fit(
 ) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
     """Train with `devices` forked gloo processes (resuming from `ckpt_path` if given); returns rank 0's final
     parameters and window stats."""
-    trainer_kwargs.setdefault("max_epochs", 1)
     tmp_path.mkdir(parents=True, exist_ok=True)
     callbacks = [Recorder(tmp_path), *trainer_kwargs.pop("callbacks", [])]
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        callbacks=callbacks,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
-        **trainer_kwargs,
-    )
-    trainer.fit(module, ckpt_path=ckpt_path)
+    train(module, strategy, devices, ckpt_path, callbacks=callbacks, **trainer_kwargs)
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     windows = json.loads((tmp_path / "windows.json").read_text())
     return {k.removeprefix("net."): v for k, v in params.items()}, windows
@@ -212,14 +298,16 @@ def reference(
     clip_norm: float | None = None,
     clip_value: float | None = None,
     mask: Callable[[Batch], Batch] | None = None,
+    lr: float = LR,
+    momentum: float = MOMENTUM,
 ) -> tuple[dict[str, Tensor], list[float]]:
-    """The unpartitioned objective: per optimizer step, the mean loss over every valid token of every rank.
+    """The unpartitioned objective in float64: per optimizer step, the mean loss over every valid token of every rank.
 
     Returns the final parameters and the global count N of each step.
     """
     net = TokenNet()
     net.load_state_dict(initial_state())
-    optimizer = make_optimizer(net.parameters())
+    optimizer = make_optimizer(net.parameters(), lr, momentum)
     counts: list[float] = []
     # ranks that run out early take part with zero-weight batches until the longest rank is done
     batches = max(len(rank) for rank in data) if limit is None else min(limit, max(len(rank) for rank in data))
@@ -230,7 +318,7 @@ def reference(
             step_batches = [rank[i] for rank in data for i in window if i < len(rank)]
             if mask is not None:
                 step_batches = [mask(b) for b in step_batches]
-            total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
+            total = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step_batches)
             counts.append(float(total))
             if total == 0:
                 continue  # an empty step changes nothing
@@ -247,8 +335,8 @@ def reference(
 
 
 def relative_error(params: dict[str, Tensor], expected: dict[str, Tensor]) -> float:
-    """Largest per-tensor ‖p − p_ref‖ / ‖p_ref‖."""
-    return max(float((params[k] - v).norm() / v.norm()) for k, v in expected.items())
+    """Largest per-tensor ‖p − p_ref‖ / ‖p_ref‖, in float64 (whatever dtype the run trained in)."""
+    return max(float((params[k].double() - v).norm() / v.norm()) for k, v in expected.items())
 
 
 def constant(k: int) -> Callable[[int], int]:

@@ -30,6 +30,7 @@ from _harness import (
     ragged_batches,
     reference,
     relative_error,
+    strategy_for,
     token_loss,
     windows_of,
 )
@@ -40,12 +41,6 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 from token_mean import DenominatorError, TokenMeanDDPStrategy
-
-
-def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
-    if mode == "plain":
-        return DDPStrategy(**FORK)
-    return TokenMeanDDPStrategy(mode=mode, **FORK, **kwargs)  # type: ignore[arg-type]
 
 
 def with_empty(data: list[list[dict[str, Tensor]]], cells: list[tuple[int, int]]) -> list[list[dict[str, Tensor]]]:

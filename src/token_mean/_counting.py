@@ -39,7 +39,8 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
                 f"{source} gave a tensor of shape {tuple(value.shape)} and dtype {value.dtype}, not one real number:"
                 " return `mask.sum()`, not `mask`"
             )
-        return value.detach().reshape(()), ""
+        count = value.detach() if value.requires_grad else value  # no op dispatched for what is already plain
+        return (count if count.dim() == 0 else count.reshape(())), ""
     # numbers.Real admits numpy's scalars (numpy.int64 from `.sum()` of an array) as well as int and float
     if isinstance(value, bool) or not isinstance(value, numbers.Real):
         return None, f"{source} gave {type(value).__name__} {value!r}, not an int, a float or a one-element tensor"

@@ -47,9 +47,10 @@ class Deferred(WindowMode):
         self._reported: list[Tensor] = []
         self._counted: list[Tensor] = []
         self._first: list[Tensor] = []
-        self._micro_scale: tuple[Tensor, Tensor] | None = None  # (scale, has items) of the micro-batch in flight
+        self._micro_scale: Tensor | None = None  # the loss scale of the micro-batch in flight, on the device
         self._local_count = self._zero()
         self._factor: Tensor | None = None  # D/N of the window whose last backward runs
+        self._unit: Tensor | None = None  # K/D of the open window: D only changes between windows
         self._real = 0
 
     def attach(self, model: torch.nn.parallel.DistributedDataParallel) -> None:
@@ -70,7 +71,7 @@ class Deferred(WindowMode):
             self.window = Window(position, stop, accumulate)
             self._reset_flags()
             self._counts, self._losses, self._reported, self._counted = [], [], [], []
-            self._first, self._real, self._factor = [], 0, None
+            self._first, self._real, self._factor, self._unit = [], 0, None, None
         self._filler = reader.entry(position).filler
         return self._filler
 
@@ -94,9 +95,10 @@ class Deferred(WindowMode):
         self._losses.append(self._zero() if loss is None else loss.detach())
         if self._provisional is None:  # the first window of the run: D from its first micro-batch, on the device
             self._provisional = self._first_provisional(count * window.accumulate)
-        has_items = count > 0
-        items = count if self.settings.loss_reduction == "mean" else has_items.to(count.dtype)
-        self._micro_scale = (items * (window.accumulate / self._provisional), has_items)
+        if self._unit is None:  # once per window, not per micro-batch: three kernels fewer each
+            self._unit = window.accumulate / self._provisional
+        items = count if self.settings.loss_reduction == "mean" else (count > 0).to(count.dtype)
+        self._micro_scale = items * self._unit
         if steps_now:
             window.stop = window.start + window.trained
             self._exchange = self._start_exchange(self._record(window))
@@ -178,9 +180,10 @@ class Deferred(WindowMode):
 
     def scale(self, closure_loss: Tensor, aux_loss: Tensor | None) -> Tensor:
         assert self._micro_scale is not None
-        scale, has_items = self._micro_scale
-        # an empty micro-batch's mean is 0/0 = NaN: select zero on the device instead of reading the count
-        return torch.where(has_items, closure_loss * scale, torch.zeros_like(closure_loss))
+        # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
+        # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
+        # (the forward value stays NaN, as under plain DDP); a `torch.where` guard cost four kernels per micro-batch.
+        return closure_loss * self._micro_scale
 
     def gradient_factor(self) -> Tensor | float:
         """D/N for the bucket all-reduce of the window's last backward; waits for the exchange on the device."""

@@ -1,0 +1,113 @@
+"""Cost in counts, not seconds: collectives, host reads and dispatched aten ops of each mode against plain DDP.
+
+Two forked gloo CPU processes train the test suite's token model (``tests/_harness.py``) for 3 epochs of 3 windows of
+K = 4 micro-batches, with a sized loader (a ``Dataset``) and an unsized one (an ``IterableDataset``), with and without
+``DenominatorMonitor``; plain ``DDPStrategy`` runs in the same harness. ``tests/_cost.py`` counts, inside the
+workers, every c10d collective and aten op dispatched on the training thread and every host read of a tensor's
+values (``item``/``bool``/``float``, ``tolist``, ``numpy``, ``cpu``), and files each under its micro-batch, window
+and epoch. ``tests/test_cost.py`` pins the same numbers, so a regression fails the suite; this script records them.
+
+The counts are exact and do not depend on the machine's load: no warm-up or repetition is needed.
+
+    .venv/bin/python benchmarks/cost.py            # ~10 s -> benchmarks/results/cost.{json,md}
+    .venv/bin/python benchmarks/cost.py --quick    # the same runs, written to a temporary folder
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+from _common import (
+    add_output_arguments,
+    environment,
+    environment_markdown,
+    markdown_table,
+    output_paths,
+    quiet_lightning,
+    write_results,
+)
+from _cost import ACCUMULATE, DEVICES, EPOCHS, LOADERS, TABLE_HEADERS, WINDOWS_PER_EPOCH, measure, table_rows
+
+# Workers are forked from this process: one intra-op thread, set before any torch op (see fidelity.py).
+torch.set_num_threads(1)
+
+READING = """\
+Per rank, P = {devices}, K = {accumulate}: a window is one optimizer step ({accumulate} micro-batches); "per epoch" is \
+what an epoch costs besides its windows (its start and end). The first row of each loader is plain `DDPStrategy` in \
+absolute numbers; every other row is the **extra** over it (same loader, no monitor), so Lightning's own costs are \
+netted out: under DDP it broadcasts a SIGTERM flag and reads it with `.item()` before every batch (the 4 broadcasts \
+and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} per window here, one bucket) is the \
+same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
+"(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the batch as the loader yielded it, before it \
+moves to the device, so on an accelerator they never wait for it; "(n the count)": the ops of `count_valid_labels` \
+itself (`ne`, `sum`), on that CPU batch in lookahead and on the device batch in deferred mode and in the monitor.
+
+- **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
+without the monitor, except lookahead's `count_fn` on the next window's CPU batches (one per micro-batch: the \
+rolling read-ahead). The window's record is read once per window, after its last backward.
+- **Collectives: one all-reduce per window** (the record), plus per epoch: lookahead's first-window counts (before any \
+forward) and, for unsized loaders, one has-a-batch all-reduce. Deferred mode on an unsized loader adds a second, \
+blocking all-reduce per window, after the last backward, to agree whether the stream goes on (peeking before the \
+last backward could let a loader that refills one buffer overwrite the batch in flight).
+- **Ops per micro-batch**: lookahead {look_micro} (2 of them `count_fn` on the CPU batch; on the device: detach the \
+loss, scale it, and the scale's backward); deferred {deferred_micro} (`count_fn` on the device, its float64 cast, \
+detach, the scale, the loss times it and its backward). The rest is once per window: building, exchanging and \
+reading the record (lookahead {look_end}, deferred {deferred_end} more ops at the window's end, gradient factor and \
+comm hook included).
+- `DenominatorMonitor` adds no collective and no host read under the strategy (it reads `strategy.last_window`; \
+asking for per-rank counts costs {monitor_ops} ops and P more slots in the record per window). Under plain DDP it \
+measures the window itself with the strategy's window record: one all-reduce and one read per window, after the step.
+"""
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_output_arguments(parser, "cost")
+    args = parser.parse_args()
+    json_path, markdown_path = output_paths(args, "cost")
+    quiet_lightning()
+    env = environment({
+        "devices": DEVICES, "accumulate": ACCUMULATE, "epochs": EPOCHS, "windows_per_epoch": WINDOWS_PER_EPOCH,
+        "model": "tests/_harness.py TokenNet on sft_batches('sft') (no empty micro-batch), SGD",
+        "backend": "gloo, fork",
+        "loaders": {"sized": "DataLoader(ListDataset)", "unsized": "DataLoader(StreamDataset), an IterableDataset"},
+        "counting": "tests/_cost.py: TorchDispatchMode (aten, c10d) + Tensor.tolist/numpy/cpu, per rank",
+    })
+    started = time.perf_counter()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for loader in LOADERS:
+            rows += measure(loader, Path(tmp))
+    by_name = {(r.loader, r.method, r.monitor): r.cost for r in rows}
+    look, deferred = by_name["sized", "lookahead", False], by_name["sized", "deferred", False]
+    plain = by_name["sized", "plain", False]
+    reading = READING.format(
+        devices=DEVICES, accumulate=ACCUMULATE,
+        gradient=", ".join(f"{n} {name}" for name, n in plain.gradient_per_window.items()),
+        look_micro=look.ops_per_micro_batch, deferred_micro=deferred.ops_per_micro_batch,
+        look_end=look.ops_per_window - ACCUMULATE * look.ops_per_micro_batch,
+        deferred_end=deferred.ops_per_window - ACCUMULATE * deferred.ops_per_micro_batch,
+        monitor_ops=by_name["sized", "lookahead", True].ops_per_window - look.ops_per_window,
+    )
+    markdown = "\n\n".join([
+        "### Cost: collectives, host reads and aten ops per micro-batch, window and epoch (2 gloo processes)",
+        environment_markdown(env),
+        markdown_table(TABLE_HEADERS, table_rows(rows)),
+        reading.strip(),
+    ])
+    payload = {
+        "environment": env,
+        "rows": [{"loader": r.loader, "method": r.method, "monitor": r.monitor, **asdict(r.cost)} for r in rows],
+    }
+    write_results(json_path, markdown_path, payload, markdown)
+    print(markdown)
+    print(f"wrote {json_path} and {markdown_path} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()

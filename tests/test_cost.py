@@ -1,0 +1,93 @@
+"""Cost is a test: collectives, host reads and aten ops per micro-batch, window and epoch, pinned exactly.
+
+Counted in the workers by ``tests/_cost.py`` (the same counter ``benchmarks/cost.py`` records its table with), for
+both modes, sized and unsized loaders, with and without ``DenominatorMonitor``, against plain ``DDPStrategy`` in the
+same harness. Every figure is an exact count, so an extra kernel, host read or collective fails here; if a change
+means to alter one, update the pinned row and ``benchmarks/results/cost.md`` (``benchmarks/cost.py``) together.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _cost import ACCUMULATE, LOADERS, measure, run, summarize, table_rows
+
+# The rows of benchmarks/results/cost.md, without the loader column. Per rank, P = 2, K = 4. Plain DDP in absolute
+# numbers (Lightning broadcasts a SIGTERM flag and reads it with `.item()` before every batch), every other row the
+# extra over it. Columns: collectives / window, / epoch; host reads from the window's first forward to its last
+# backward, / window, / epoch; aten ops / accumulating micro-batch, / window, / epoch.
+PINNED: dict[str, list[tuple[str, ...]]] = {
+    "sized": [
+        ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
+        ("lookahead (extra)", "+1 allreduce", "+1 allreduce", "0 (+3 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (2 the count)", "+54 (8 the count)", "+5"),
+        ("deferred (extra)", "+1 allreduce", "0", "0", "+1", "0", "+7 (2 the count)", "+92 (8 the count)", "0"),
+        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+68 (8 the count)", "0"),
+        ("lookahead + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+3 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (2 the count)", "+58 (8 the count)", "+9"),
+        ("deferred + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+7 (2 the count)", "+96 (8 the count)",
+         "0"),
+    ],
+    "unsized": [
+        ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
+        ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+3 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+2", "+5 (2 the count)", "+54 (8 the count)", "+10"),
+        ("deferred (extra)", "+2 allreduce", "+1 allreduce", "0", "+2", "+1", "+7 (2 the count)", "+97 (8 the count)",
+         "+5"),
+        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+68 (8 the count)", "0"),
+        ("lookahead + monitor (extra)", "+1 allreduce", "+2 allreduce", "0 (+3 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+2", "+5 (2 the count)", "+58 (8 the count)", "+18"),
+        ("deferred + monitor (extra)", "+2 allreduce", "+1 allreduce", "0", "+2", "+1", "+7 (2 the count)",
+         "+105 (8 the count)", "+9"),
+    ],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loader", LOADERS)
+def test_cost_is_pinned(tmp_path: Path, loader: str) -> None:
+    rows = measure(loader, tmp_path)
+    assert [tuple(cells[1:]) for cells in table_rows(rows)] == PINNED[loader]
+
+    # Issue 11's acceptance criteria, asserted on their own so that a failure names the one that broke.
+    costs = {(row.method, row.monitor): row.cost for row in rows}
+    assert costs["plain", False].gradient_per_window == {"allreduce": 1}  # DDP's own, one bucket
+    for (method, monitor), cost in costs.items():
+        if (method, monitor) == ("plain", False):
+            continue
+        where = f"{method}{' + monitor' if monitor else ''}, {loader}"
+        # no host read of device data between a window's first forward and its last backward
+        assert cost.reads_in_window == cost.reads_in_window_host_count, where
+        assert cost.gradient_per_window == {}, where  # DDP's gradient all-reduce: as many calls as plain DDP's
+        if method != "plain":
+            # one collective per window (deferred's unsized stream agrees on its end in a second, after the backward)
+            expected = 2 if (method, loader) == ("deferred", "unsized") else 1
+            assert cost.collectives_per_window == {"allreduce": expected}, where
+            assert cost.ops_per_micro_batch < 10, where  # single digits, the count itself included
+    # the monitor adds no collective and no host read under the strategy
+    for method in ("lookahead", "deferred"):
+        bare, monitored = costs[method, False], costs[method, True]
+        assert monitored.collectives_per_window == bare.collectives_per_window
+        assert monitored.reads_per_window == bare.reads_per_window
+
+
+def read_and_reduce_in_training_step(module: Any, batch: Any, loss: torch.Tensor) -> torch.Tensor:
+    """What the strategy must never do: a host read and a collective between a forward and its backward."""
+    float(loss)
+    dist.all_reduce(loss.detach().clone())
+    return loss
+
+
+@pytest.mark.distributed
+def test_counter_sees_a_host_read_and_a_collective_in_the_window(tmp_path: Path) -> None:
+    """The control: zeros above mean nothing if the counter could not see what it counts."""
+    plain = summarize(run("plain", "sized", False, tmp_path / "plain")[0])
+    reading = summarize(run("plain", "sized", False, tmp_path / "reading", read_and_reduce_in_training_step)[0])
+    difference = reading.minus(plain)
+    assert difference.reads_in_window == ACCUMULATE  # one per forward, all inside the window
+    assert difference.reads_in_window_host_count == 0
+    assert difference.collectives_per_window == {"allreduce": ACCUMULATE}
