@@ -55,9 +55,10 @@ class DenominatorMonitor(Callback):
     - ``reference_divergence`` (only with ``on_divergence="log"``): 1.0 at a step that diverges, else 0.0.
 
     Under :class:`~token_mean.TokenMeanDDPStrategy` the numbers are the strategy's ``last_window`` and the monitor adds
-    no collective. Under plain ``DDPStrategy`` or on one device the monitor measures them itself: ``count_fn(batch)``
-    and the micro-batch loss per micro-batch, kept on the device, then one ``all_gather`` of four float64 numbers per
-    rank per optimizer step. Metrics go straight to ``trainer.loggers`` from rank zero at the step Lightning logs the
+    no collective (it asks the strategy for every rank's count: P more floats in each window's record). Under plain
+    ``DDPStrategy`` or on one device the monitor measures them itself: ``count_fn(batch)`` and the micro-batch loss
+    per micro-batch, kept on the device, then one all-reduce of the strategy's window record per optimizer step (a
+    bad count raises the same :class:`~token_mean.DenominatorError` on every rank). Metrics go straight to ``trainer.loggers`` from rank zero at the step Lightning logs the
     batch's own ``self.log`` values under (``trainer.global_step`` before the update), every ``log_every_n_steps``
     steps or every ``logging_interval`` steps.
 
