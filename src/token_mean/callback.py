@@ -58,7 +58,8 @@ class DenominatorMonitor(Callback):
     no collective (it asks the strategy for every rank's count: P more floats in each window's record). Under plain
     ``DDPStrategy`` or on one device the monitor measures them itself: ``count_fn(batch)`` and the micro-batch loss
     per micro-batch, kept on the device, then one all-reduce of the strategy's window record per optimizer step (a
-    bad count raises the same :class:`~token_mean.DenominatorError` on every rank). Metrics go straight to ``trainer.loggers`` from rank zero at the step Lightning logs the
+    bad count raises the same :class:`~token_mean.DenominatorError` on every rank). Metrics go straight to
+    ``trainer.loggers`` from rank zero at the step Lightning logs the
     batch's own ``self.log`` values under (``trainer.global_step`` before the update), every ``log_every_n_steps``
     steps or every ``logging_interval`` steps.
 
