@@ -123,6 +123,8 @@ def main(args: argparse.Namespace) -> None:
     trainer.fit(MaskedLM(PairDataset(train_pairs), PairDataset(val_pairs), args.micro_batch_size, args.seed))
     if trainer.is_global_zero:
         print(f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.4f}; written to {args.out}")
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # what a distributed script does before it exits
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import Batch, Recorder, ragged_batches
@@ -41,6 +42,7 @@ def main() -> None:
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
     )
     trainer.fit(MeshModule(data()))
+    torch.distributed.destroy_process_group()  # before the interpreter finalizes (see test_spawn_launcher)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import lightning.pytorch as pl
+import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import Recorder, TokenModule, ragged_batches
@@ -21,3 +22,4 @@ if __name__ == "__main__":
         enable_model_summary=False, use_distributed_sampler=False, num_sanity_val_steps=0,
     )
     trainer.fit(TokenModule(ragged_batches(2, 7, seed=11)))
+    torch.distributed.destroy_process_group()  # before the interpreter finalizes (see test_spawn_launcher)
