@@ -115,6 +115,16 @@ def assert_matches_reference(out: Path, modes: tuple[str, ...] = MODES) -> None:
         assert error < EXACT, f"{mode}: relative parameter error {error:.3e}"
 
 
+def assert_process_group_destroyed_before_exit(out: Path) -> None:
+    """Both training processes exited with the process group already destroyed by the package.
+
+    The script never destroys it itself; a process that finalizes with a live gloo group aborts about one run in
+    three (SIGABRT after a finished fit), which is what made these launcher tests fail by chance.
+    """
+    reports = {rank: json.loads((out / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)}
+    assert reports == {0: {"process_group_alive": False}, 1: {"process_group_alive": False}}, reports
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # launchers
 # ---------------------------------------------------------------------------------------------------------------
@@ -129,6 +139,7 @@ def test_subprocess_launcher_both_modes(tmp_path: Path) -> None:
     """
     run_job([script(tmp_path, "--mode", "deferred", "lookahead")], tmp_path / "logs")
     assert_matches_reference(tmp_path)
+    assert_process_group_destroyed_before_exit(tmp_path)
     run = json.loads((tmp_path / "deferred" / "run.json").read_text())
     assert run == {"environment": "LightningEnvironment", "world_size": 2, "num_nodes": 1}
 
@@ -185,6 +196,7 @@ def test_torchrun_one_node(tmp_path: Path) -> None:
     ]
     run_job([command], tmp_path / "logs")
     assert_matches_reference(tmp_path)
+    assert_process_group_destroyed_before_exit(tmp_path)
     for mode in MODES:
         run = json.loads((tmp_path / mode / "run.json").read_text())
         assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 1}
@@ -213,6 +225,7 @@ def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
     finally:
         del rendezvous
     assert_matches_reference(tmp_path)
+    assert_process_group_destroyed_before_exit(tmp_path)
     for mode in MODES:
         run = json.loads((tmp_path / mode / "run.json").read_text())
         assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 2}

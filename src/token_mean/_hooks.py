@@ -31,6 +31,7 @@ from typing_extensions import override
 from token_mean import _lightning
 from token_mean._counting import CountFn, count_valid_labels
 from token_mean._deferred import Deferred
+from token_mean._exit import destroy_process_group_at_exit
 from token_mean._filler import filler_batch
 from token_mean._loaders import agree_on_length, gather_objects, length_is_a_hint
 from token_mean._lookahead import Lookahead
@@ -138,6 +139,12 @@ class TokenMeanHooks(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------------------
     # set-up: checks that need the Trainer, the mode, and the fit loop's batches routed through the reader
     # ------------------------------------------------------------------------------------------------------------
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # starts the process group
+        if self._distributed():
+            destroy_process_group_at_exit()
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -17,6 +17,10 @@ stalls:
 
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead --start-method fork --rank1 stall --timeout 5
 
+Each process that trained writes OUT_DIR/exit-rank{r}.json as the interpreter begins to exit, after the package's
+own exit handler: whether the default process group was still alive then (the script itself never destroys it; a
+process that finalizes with a live gloo group aborts about one run in three).
+
 Under popen and spawn the timeout also bounds the rendezvous, which waits for the child processes to import torch and
 Lightning (3 to 15 s on a busy 2-core machine): a 5 s timeout can fail there, before training starts. Forked workers
 start at once.
@@ -25,6 +29,7 @@ start at once.
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import signal
 import sys
@@ -80,6 +85,13 @@ class RunInfo(Callback):
             (self.out / "run.json").write_text(json.dumps({**info, "num_nodes": trainer.num_nodes}))
 
 
+def report_exit(out: Path, rank: list[int]) -> None:
+    """Registered before any fit, so it runs after every handler the package registers (last in, first out)."""
+    if rank:
+        alive = torch.distributed.is_available() and torch.distributed.is_initialized()
+        (out / f"exit-rank{rank[0]}.json").write_text(json.dumps({"process_group_alive": alive}))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -92,6 +104,8 @@ def main() -> None:
     if args.start_method == "fork":
         torch.set_num_threads(1)  # an OpenMP pool that has run does not survive a fork
 
+    trained_as: list[int] = []  # this process's global rank, once it trained (stays empty in a fork/spawn launcher)
+    atexit.register(report_exit, args.out, trained_as)
     failed = False
     for mode in args.mode:
         out: Path = args.out / mode
@@ -117,6 +131,9 @@ def main() -> None:
             if not launcher or not isinstance(error, Exception):
                 raise  # this process's own process group is broken
             failed = True  # the next mode trains in fresh workers
+            continue
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and not trained_as:
+            trained_as.append(trainer.global_rank)
     if failed:
         sys.exit(1)
 
