@@ -52,7 +52,8 @@ from torch import Tensor
 from torch.multiprocessing.spawn import start_processes
 from torch.utils.data import DataLoader
 
-from token_mean._window import RECORD_SIZE, Exchange
+from token_mean import _lightning
+from token_mean._record import RECORD_SIZE, Exchange
 
 # Workers are forked from this process, and a forked child deadlocks in its first parallel op if the parent's
 # OpenMP pool has run: one intra-op thread per process (2 processes on 2 cores), set before any torch op.
@@ -181,7 +182,7 @@ class StepTimer(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         # the step of a window has run when this batch closed it (Lightning's `_should_accumulate` is False)
-        if not trainer.fit_loop.epoch_loop._should_accumulate():
+        if _lightning.steps_after_this_batch(trainer):
             self.stamps.append(self._now())
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

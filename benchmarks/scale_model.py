@@ -43,7 +43,8 @@ from _common import (
     write_results,
 )
 
-from token_mean._window import RECORD_SIZE, Exchange, Reduced, WindowStats
+from token_mean._record import RECORD_SIZE, Kind, Reduced, World
+from token_mean._window import WindowStats
 
 # ---------------------------------------------------------------------------------------------------------------
 # NCCL's tuning model (tuning.cc at commit 01afd20): µs and GB/s, per protocol (LL, LL128, Simple)
@@ -133,9 +134,9 @@ def old_host_work(gathered: torch.Tensor, world_size: int) -> None:
 def new_host_work(record: torch.Tensor, world_size: int, monitor: bool) -> None:
     """The host side of the new design's window end (``Exchange.read`` → ``Reduced`` → problems, lengths, stats),
     with the package's own code; ``monitor``: the P rank slots and the monitor's O(P) figures."""
-    reduced = Reduced(Exchange(record, None, distributed=False).read())
-    reduced.problems()
-    reduced.lengths_agree(world_size)
+    reduced = Reduced(Kind.WINDOW, record.tolist(), World.single(), [])
+    reduced.lines()
+    reduced.lengths_agree()
     rank_counts = reduced.rank_counts()
     stats = WindowStats(reduced[0], 1.0, rank_counts, 4, reduced[2] / reduced[0], False, "lookahead")
     if monitor and rank_counts is not None:

@@ -49,6 +49,8 @@ from _harness import METHODS, Batch, TokenModule, make_batch, strategy_for, trai
 from lightning.pytorch.callbacks import Callback
 from torch.utils.data import DataLoader, Dataset
 
+from token_mean import _lightning
+
 # Workers are forked from this process: one intra-op thread, set before any torch op (see fidelity.py).
 torch.set_num_threads(1)
 
@@ -148,7 +150,7 @@ class WaitRecorder(Callback):
 
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, *args: Any) -> None:
         self.most_held = max(self.most_held, _TimedIterator.yielded - self.trained)
-        if not trainer.fit_loop.epoch_loop._should_accumulate():  # this batch closed a window: its step has run
+        if _lightning.steps_after_this_batch(trainer):  # this batch closed a window: its step has run
             self.stamps.append((time.perf_counter(), _TimedIterator.wait_seconds))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

@@ -10,8 +10,9 @@ gradient all-reduce is seen, whether its C++ reducer or deferred mode's Python h
 Every event is filed under the micro-batch *cycle* it happens in: from the strategy's ``training_step`` of one
 micro-batch to that of the next, so Lightning's loop, the batch fetch and the callbacks' hooks belong to the cycle
 they follow. A window is its K cycles; the epoch's last cycle runs on to the next epoch's first ``training_step``.
-Events between a window's first forward (``LightningModule.training_step``) and the end of its last ``backward`` are
-also filed under the window's *in-window* tally: on a GPU a host read there would stall the device before a backward.
+Events between a window's first forward (``LightningModule.training_step``) and the end of its last backward
+(``LightningModule.backward``; the strategy reads the window's record after it, in its ``backward`` hook) are also
+filed under the window's *in-window* tally: on a GPU a host read there would stall the device before a backward.
 
 Each event also gets an origin from the Python stack: ``host_count`` when ``token_mean._counting.read_count`` is on
 it (lookahead counting the batch the loader yielded, before it moves to the device: a CPU tensor, so reading it never
@@ -41,9 +42,9 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import token_mean
-from token_mean import DenominatorMonitor
+from token_mean import DenominatorMonitor, _lightning
 from token_mean._counting import read_count
-from token_mean.counts import count_valid_labels
+from token_mean._counts import count_valid_labels
 
 DEVICES, ACCUMULATE = 2, 4
 WINDOWS_PER_EPOCH, EPOCHS = 3, 3
@@ -159,7 +160,6 @@ class CostCounter(Callback):
         self._restore.append(lambda: owner.__dict__.pop(name, None))
 
     def _start_micro_batch(self, trainer: pl.Trainer) -> None:
-        epoch_loop = trainer.fit_loop.epoch_loop
         if trainer.current_epoch != self._epoch:
             self._epoch, self._window_index, self._micro = trainer.current_epoch, -1, None
         if self._micro is None:
@@ -167,7 +167,7 @@ class CostCounter(Callback):
             self._micro = 0
         else:
             self._micro += 1
-        self._steps_now = not epoch_loop._should_accumulate()
+        self._steps_now = _lightning.steps_after_this_batch(trainer)
         self._cycle = f"{self._epoch}/{self._window_index}/{self._micro}"
 
     def _first_forward(self) -> None:
@@ -185,7 +185,9 @@ class CostCounter(Callback):
         strategy = trainer.strategy
         self._wrap(strategy, "training_step", lambda: self._start_micro_batch(trainer), None)
         self._wrap(pl_module, "training_step", self._first_forward, None)
-        self._wrap(strategy, "backward", lambda: setattr(self, "_in_backward", True), self._backward_done)
+        # the backward itself, `LightningModule.backward` (`loss.backward()`): the strategy's `backward` hook also
+        # reads the window's record after it, which is outside the window
+        self._wrap(pl_module, "backward", lambda: setattr(self, "_in_backward", True), self._backward_done)
         for name in _READS_WITHOUT_AN_OP:
             saved = torch.Tensor.__dict__.get(name)
             setattr(torch.Tensor, name, self._read_without_op(name, getattr(torch.Tensor, name)))

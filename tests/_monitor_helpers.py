@@ -26,7 +26,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loggers import CSVLogger
 from torch.utils.data import DataLoader
 
-from token_mean._counting import count_valid_labels
+from token_mean import count_valid_labels
 from token_mean.callback import DenominatorMonitor
 from token_mean.metrics import TokenMeanLoss
 

@@ -27,8 +27,8 @@ from lightning.pytorch.strategies import DDPStrategy
 
 import token_mean.callback
 import token_mean.metrics
+from token_mean import DenominatorMonitor, DivergenceError
 from token_mean._trace import COMPARED_COLUMNS, read_trace
-from token_mean.callback import DenominatorMonitor, DivergenceError
 from token_mean.metrics import TokenMeanLoss
 
 FORK: dict[str, Any] = {"start_method": "fork", "process_group_backend": "gloo"}
@@ -111,7 +111,7 @@ def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> No
                           callbacks=[DenominatorMonitor(count_fn=count_fn)])
     errors = raises_everywhere(tmp_path / "outcomes", lambda: trainer.fit(TokenModule(counts_data([[3, 4], [5, 6]]))))
     assert len(set(errors)) == 1, errors
-    message = "window of optimizer step 0 (as DenominatorMonitor measures it):\n  rank 1: `count_fn` failed"
+    message = "window of optimizer step 0 (measured by DenominatorMonitor, batches 0..1):\n  rank 1: `count_fn` failed"
     assert errors[0].startswith("DenominatorError: ") and message in errors[0], errors[0]
 
 

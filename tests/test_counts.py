@@ -1,4 +1,4 @@
-"""The named counts of ``token_mean.counts`` and the objectives they select, against plain-torch references.
+"""The named counts of ``token_mean`` and the objectives they select, against plain-torch references.
 
 Choosing the count is choosing the objective. Each setup here trains with ``TokenMeanDDPStrategy`` (both modes) and a
 named count, and is compared with an unpartitioned plain-torch reference of exactly that objective (float64, relative
@@ -230,10 +230,25 @@ def test_sequence_helpers_errors() -> None:
         sequence_token_means(torch.zeros(2, 3), torch.ones(2, 3))
 
 
-def test_names_stay_importable() -> None:
-    assert token_mean.count_valid_labels is token_mean._counting.count_valid_labels is count_valid_labels
-    assert token_mean.IGNORE_INDEX == token_mean._counting.IGNORE_INDEX == -100
-    assert set(token_mean.counts.__all__) <= set(token_mean.__all__)
+def test_each_public_name_is_exported_once() -> None:
+    """The package's namespace is the one place the public names come from: a public module lists in its `__all__`
+    only what it defines itself (no module re-exports another's names, as `token_mean.counts` once did)."""
+    import importlib
+    import pkgutil
+
+    assert token_mean.count_valid_labels is count_valid_labels
+    assert token_mean.IGNORE_INDEX == -100
+    re_exported = []
+    for info in pkgutil.iter_modules(token_mean.__path__):
+        if info.name.startswith("_"):
+            continue
+        module = importlib.import_module(f"token_mean.{info.name}")
+        for name in getattr(module, "__all__", ()):
+            defined_in = getattr(getattr(module, name), "__module__", module.__name__)
+            if defined_in != module.__name__:
+                re_exported.append(f"{module.__name__}.{name} (from {defined_in})")
+    assert re_exported == []
+    assert not hasattr(token_mean, "counts"), "the named counts live in the package's namespace only"
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -11,8 +11,10 @@ Workers are forked (``_mesh.forked``): Lightning gives ``ModelParallelStrategy``
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
+import time
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -23,6 +25,7 @@ import torch
 import torch.distributed as dist
 from _harness import EXACT, MODES, constant, empty_like, fit, ragged_batches, reference, relative_error
 from _mesh import MeshModule, ResumableMeshModule, forked
+from _ranks import raises_everywhere
 from _resume_helpers import SaveAtBatch
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from torch import Tensor
@@ -236,9 +239,20 @@ def no_loss_on_rank_one(module: Any, batch: dict[str, Tensor], loss: Tensor) -> 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(90)
-def test_missing_loss_fails_at_once(tmp_path: Path) -> None:
-    """FSDP2 cannot be kept in step without a loss: the rank says why at once, and the launcher stops the others."""
-    strategy = strategy_for("lookahead", 2, 1, timeout=timedelta(seconds=30))
-    module = MeshModule(ragged_batches(2, 4), output_fn=no_loss_on_rank_one)
-    with pytest.raises(Exception, match=r"returned no loss .* on rank 1"):
-        fit(module, strategy, tmp_path, accumulate_grad_batches=2)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize(("data_parallel", "tensor_parallel"), [(2, 1), (2, 2)], ids=["fsdp2", "fsdp2xtp"])
+def test_missing_loss_raises_on_every_rank(tmp_path: Path, mode: str, data_parallel: int, tensor_parallel: int) -> None:
+    """A rank whose `training_step` returns no loss back-propagates a zero made of its sharded modules' outputs, so
+    FSDP2's (and tensor parallelism's) backward collectives run on every rank, and every rank raises the same error
+    at the window's end, well before the 30 s process-group timeout (the other ranks once waited for it)."""
+    strategy = strategy_for(mode, data_parallel, tensor_parallel, timeout=timedelta(seconds=30))
+    module = MeshModule(ragged_batches(data_parallel, 4), output_fn=no_loss_on_rank_one)
+    devices = data_parallel * tensor_parallel
+    started = time.monotonic()
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, devices, accumulate_grad_batches=2),
+                               ranks=devices)
+    assert time.monotonic() - started < 25, "a rank waited for the process group's timeout"
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("DenominatorError: ") and "returned no loss" in errors[0], errors[0]
+    # the data-parallel rank of global rank 1 (under 2 x 2, global rank 1 is tensor-parallel rank 1 of group 0)
+    assert re.search(r"\n  ranks? [01]\b.*`training_step` returned no loss", errors[0]), errors[0]

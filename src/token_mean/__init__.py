@@ -1,17 +1,17 @@
-"""Exact global token-mean gradients for Lightning DDP with gradient accumulation.
+"""Exact global token-mean gradients for Lightning data parallelism with gradient accumulation.
 
 ``TokenMeanDDPStrategy`` makes each optimizer step follow the mean loss over all valid items of the step (all ranks,
-all micro-batches), and ``TokenMeanModelParallelStrategy`` does the same under FSDP2 and tensor parallelism;
+all micro-batches), and ``TokenMeanModelParallelStrategy`` does the same under FSDP2 and tensor parallelism; both
+are ``TokenMeanStrategy``. ``token_mean.fabric.TokenMeanAccumulator`` does it in a hand-written Lightning Fabric loop.
 ``DenominatorMonitor`` logs the denominator each step used and flags divergence from a reference run;
 ``TokenMeanLoss`` is the exact token-weighted validation loss; ``ExactDistributedSampler`` shards without repeating
 items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``count_examples``, ``count_sequences``,
-``ClassWeightedCount``) and the sequence-level helpers live in :mod:`token_mean.counts`.
+``ClassWeightedCount``) choose the objective.
 """
 
-from token_mean._problems import DenominatorError
-from token_mean._window import WindowStats
-from token_mean.callback import DenominatorMonitor, Divergence, DivergenceError
-from token_mean.counts import (
+from token_mean._compare import Divergence, DivergenceError
+from token_mean._counting import CountFn
+from token_mean._counts import (
     IGNORE_INDEX,
     ClassWeightedCount,
     count_examples,
@@ -21,6 +21,12 @@ from token_mean.counts import (
     sequence_token_means,
     sequence_token_sums,
 )
+from token_mean._filler import in_filler_batch
+from token_mean._hooks import TokenMeanStrategy
+from token_mean._mode import LossReduction, Mode
+from token_mean._problems import DenominatorError
+from token_mean._window import WindowStats
+from token_mean.callback import DenominatorMonitor
 from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy
 from token_mean.sampler import ExactDistributedSampler
@@ -29,19 +35,24 @@ from token_mean.strategy import TokenMeanDDPStrategy
 __all__ = [
     "IGNORE_INDEX",
     "ClassWeightedCount",
+    "CountFn",
     "DenominatorError",
     "DenominatorMonitor",
     "Divergence",
     "DivergenceError",
     "ExactDistributedSampler",
+    "LossReduction",
+    "Mode",
     "TokenMeanDDPStrategy",
     "TokenMeanLoss",
     "TokenMeanModelParallelStrategy",
+    "TokenMeanStrategy",
     "WindowStats",
     "count_examples",
     "count_sequences",
     "count_shifted_labels",
     "count_valid_labels",
+    "in_filler_batch",
     "sequence_token_means",
     "sequence_token_sums",
 ]

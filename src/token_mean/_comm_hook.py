@@ -6,6 +6,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from token_mean import _torch
+
 
 def scaled_allreduce_hook(
     state: Any,
@@ -20,8 +22,7 @@ def scaled_allreduce_hook(
     factor = state.gradient_factor()
     buffer = bucket.buffer()
     if buffer.is_cuda and dist.get_backend() == "nccl" and isinstance(factor, torch.Tensor):
-        op = dist._make_nccl_premul_sum(factor.to(buffer.dtype))  # type: ignore[attr-defined]
-        work = dist.all_reduce(buffer, op=op, async_op=True)
+        work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), async_op=True)
     else:
         buffer.mul_(factor)
         work = dist.all_reduce(buffer, async_op=True)

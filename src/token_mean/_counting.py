@@ -10,10 +10,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from token_mean._counts import IGNORE_INDEX
 from token_mean._problems import Problem
-
-# The named counts live in the public `counts` module; these names stay importable from here.
-from token_mean.counts import IGNORE_INDEX, count_valid_labels
 
 CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
 
@@ -48,11 +46,17 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
 
 
 def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, str]:
-    """One count as a float64 scalar on ``device`` (no host sync), or ``(None, what is wrong)`` for a bad type."""
+    """One count as a 0-dim tensor on ``device`` (no host sync), or ``(None, what is wrong)`` for a bad type.
+
+    A tensor keeps its dtype (the window converts its stacked counts to float64 once); a Python number becomes
+    float64.
+    """
     count, detail = check_count(value, source)
     if count is None:
         return None, detail
-    return torch.as_tensor(count, dtype=torch.float64).to(device, non_blocking=True), ""
+    if isinstance(count, Tensor):
+        return count.to(device, non_blocking=True), ""
+    return torch.tensor(count, dtype=torch.float64, device=device), ""
 
 
 def read_count(count_fn: CountFn, batch: Any) -> tuple[float, Problem | None, str]:
@@ -83,13 +87,4 @@ def as_count(value: Any, argument: str) -> Tensor | float:
     return count
 
 
-__all__ = [
-    "IGNORE_INDEX",
-    "CountFn",
-    "as_count",
-    "check_count",
-    "count_valid_labels",
-    "device_count",
-    "first_labels",
-    "read_count",
-]
+__all__ = ["CountFn", "as_count", "check_count", "device_count", "first_labels", "read_count"]

@@ -5,6 +5,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from token_mean import _torch
+
 NORM_ROW = 1024
 """Elements per partial norm of a CPU tensor's fingerprint (see ``global_norm``)."""
 ROW_NORM_DEVICES = ("cpu",)
@@ -41,9 +43,7 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
         else:
             fused.setdefault((tensor.device, tensor.dtype), []).append(tensor)
     for (_, dtype), group in fused.items():
-        accumulate = _norm_dtype(dtype)
-        # `dtype=` only where needed: it came in 2024 (torch ~2.5), and pyproject allows torch 2.1.
-        norms = torch._foreach_norm(group, 2) if accumulate is None else torch._foreach_norm(group, 2, dtype=accumulate)
+        norms = _torch.norms(group, _norm_dtype(dtype))
         squares.extend(norm.to(device=device, dtype=torch.float64).square() for norm in norms)
     return torch.stack(squares).sum().sqrt()
 

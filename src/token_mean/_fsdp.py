@@ -1,44 +1,111 @@
-"""Every touch of FSDP2's internals (``torch.distributed.fsdp.fully_shard``), with the torch behaviour it relies on.
+"""What the package needs of a model sharded by FSDP2 or tensor parallelism, under the Trainer and Fabric alike.
 
-Checked on torch 2.13; a torch upgrade has this one file to check.
+- :class:`AfterReduction`: deferred mode's factor, after FSDP2's reduce-scatter averaged the gradients.
+- :func:`check_reduction`: both modes rely on FSDP2 dividing every gradient by the data-parallel size P.
+- :class:`Outputs`: a rank whose ``training_step`` returns no loss must still run FSDP2's backward, or the other ranks
+  wait in their reduce-scatter until the process group's timeout. FSDP2's backward hooks hang on the forward's
+  outputs, so the outermost sharded modules' outputs of the step are kept (references, no copy), and a zero made of
+  them stands in for the loss: every collective of the backward runs, and every rank raises at the window's end.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
 
+import torch
+from torch import Tensor
 from torch.nn import Module
+from torch.utils._pytree import tree_flatten
+
+from token_mean import _torch
+from token_mean._deferred import GradientPath
 
 
-@dataclass(frozen=True)
-class Reduction:
-    """How one FSDP2 parameter group reduces its gradients over data-parallel ranks."""
+class AfterReduction(GradientPath):
+    """The reduce-scatter averages the gradients over P with no hook of the package, so the local shards,
+    Σ∇(loss sums)/(P·D), are multiplied by P·D/N: one fused kernel over this rank's 1/P of the gradients."""
 
-    module: str  # the FSDP module's qualified name ("" for the root)
-    ranks: int  # the data-parallel ranks it reduces over (shard × replicate mesh sizes)
-    divide_factor: float | None  # set by `set_gradient_divide_factor`; None: the mean over `ranks`
+    def __init__(self, model: Module, world_size: int) -> None:
+        self._model = model
+        self._world_size = world_size
+
+    def after_backward(self, factor: Callable[[], Tensor]) -> None:
+        from torch.distributed.tensor import DTensor
+
+        shards = [
+            grad.to_local() if isinstance(grad, DTensor) else grad
+            for grad in (parameter.grad for parameter in self._model.parameters())
+            if grad is not None
+        ]
+        if shards:
+            _torch.multiply_(shards, factor() * self._world_size)
 
 
-def reductions(model: Module) -> Iterator[Reduction]:
-    """Each FSDP2 parameter group of ``model``: the ranks its gradients are reduced over and its divide factor.
+def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
+    """Raise unless every FSDP2 group of ``model`` averages its gradients over the ``data_parallel`` ranks; returns
+    whether any module is sharded at all."""
+    found = list(_torch.fsdp_reductions(model))
+    for reduction in found:
+        where = f"`{reduction.module}`" if reduction.module else "the root module"
+        if reduction.divide_factor is not None:
+            raise ValueError(
+                f"`{owner}` applies the global token count itself, relying on FSDP2's default mean over the"
+                f" {data_parallel} data-parallel ranks, but {where} has"
+                f" `set_gradient_divide_factor({reduction.divide_factor!r})`. Remove that call."
+            )
+        if reduction.ranks != data_parallel:
+            raise ValueError(
+                f"`fully_shard` on {where} reduces gradients over {reduction.ranks} ranks, but the data-parallel"
+                f" dimension of the device mesh has {data_parallel}: pass the mesh's 'data_parallel' dimension as"
+                " `mesh=` to `fully_shard`."
+            )
+    return bool(found)
 
-    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` lists the module's parameter groups; each has
-    ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``) and ``gradient_divide_factor``;
-    ``foreach_reduce`` divides the reduced gradient by that factor, or by shard × replicate size when it is None
-    (``_get_gradient_divide_factors``: ``ReduceOp.AVG``, or a SUM with a pre- and post-division for float16 and
-    float64), for every reduce dtype.
-    """
+
+def _sharded(module: Module) -> bool:
     from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
 
-    for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            mesh_info = group.mesh_info
-            ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
-            yield Reduction(name, ranks, group.gradient_divide_factor)
+    return isinstance(module, FSDPModule) or any(
+        isinstance(parameter, DTensor) for parameter in module.parameters(recurse=False)
+    )
 
 
-__all__ = ["Reduction", "reductions"]
+class Outputs:
+    """The outputs of ``model``'s outermost sharded modules during one step, for :meth:`stand_in_loss`."""
+
+    def __init__(self, model: Module) -> None:
+        self._kept: list[Any] = []
+        self._active = False
+        outermost: list[Module] = []
+        for module in model.modules():
+            if _sharded(module) and not any(module in set(outer.modules()) for outer in outermost):
+                outermost.append(module)
+        for module in outermost:
+            module.register_forward_hook(self._keep)
+
+    def _keep(self, module: Module, args: Any, output: Any) -> None:
+        if self._active:
+            self._kept.append(output)
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Keep the outputs of the forwards that run in the block (and forget the previous block's)."""
+        self._kept, self._active = [], True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def stand_in_loss(self) -> Tensor | None:
+        """A zero whose backward runs every sharded module's backward of the step (None: no output to use)."""
+        leaves = [leaf for output in self._kept for leaf in tree_flatten(output)[0]]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
+        if not tensors:
+            return None
+        return torch.stack([tensor.sum() * 0.0 for tensor in tensors]).sum()
+
+
+__all__ = ["AfterReduction", "Outputs", "check_reduction"]

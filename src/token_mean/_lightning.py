@@ -9,7 +9,6 @@ from collections.abc import Callable
 from typing import Any
 
 import lightning.pytorch as pl
-from lightning.pytorch.loops.fetchers import _DataLoaderIterDataFetcher
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 from token_mean._reader import Reader
@@ -22,7 +21,32 @@ def batch_position(trainer: pl.Trainer) -> tuple[int, bool]:
     ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the last batch of the epoch).
     """
     epoch_loop = trainer.fit_loop.epoch_loop
-    return epoch_loop.batch_progress.current.ready - 1, not epoch_loop._should_accumulate()
+    return epoch_loop.batch_progress.current.ready - 1, steps_after_this_batch(trainer)
+
+
+def steps_after_this_batch(trainer: pl.Trainer) -> bool:
+    """Whether Lightning steps the optimizer after the batch being trained (tests and benchmarks ask it too).
+
+    Relies on: ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the epoch's last batch).
+    """
+    return not trainer.fit_loop.epoch_loop._should_accumulate()
+
+
+def epoch_length(trainer: pl.Trainer) -> int | None:
+    """The training epoch's length in batches as the fit loop sized it (None: unsized).
+
+    Relies on: ``FitLoop.max_batches`` is ``inf`` for an unsized loader, set by ``setup_data`` before ``iter()``.
+    """
+    length = trainer.fit_loop.max_batches
+    return None if length == float("inf") else int(length)
+
+
+def should_update_logs(trainer: pl.Trainer) -> bool:
+    """Whether Lightning logs the step metrics of the batch being trained (in ``on_train_batch_end``).
+
+    Relies on: ``_LoggerConnector.should_update_logs`` (``log_every_n_steps`` over the steps taken, or ``should_stop``).
+    """
+    return bool(trainer._logger_connector.should_update_logs)
 
 
 def epoch_position(trainer: pl.Trainer) -> int:
@@ -133,7 +157,7 @@ def read_through(
             lambda: CombinedLoader.__next__(combined),
             (lambda: CombinedLoader._state_dicts(combined)) if stateful else None,
             lambda: epoch_position(trainer),
-        )
+        )  # the front end hands it to the mode when the epoch starts
         reader.adopt(prefetched)
         combined.__class__ = _ReadCombinedLoader
         combined._token_mean_reader = reader  # type: ignore[attr-defined]
@@ -172,9 +196,9 @@ class _ReadCombinedLoader(CombinedLoader):
 
 
 __all__ = [
-    "_DataLoaderIterDataFetcher",
     "batch_position",
     "checkpoint_loader_states",
+    "epoch_length",
     "epoch_position",
     "has_loader_states_to_load",
     "read_through",
@@ -182,5 +206,7 @@ __all__ = [
     "resize_epoch",
     "set_epoch_length",
     "set_loader_states_to_load",
+    "should_update_logs",
+    "steps_after_this_batch",
     "uses_dataloader_iter",
 ]

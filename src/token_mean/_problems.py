@@ -63,6 +63,20 @@ class Problem(Enum):
         "pass the `count_fn` that counts what the loss averages over, for example"
         " `count_fn=token_mean.count_shifted_labels` when the model shifts the labels itself.",
     )
+    COUNT_CHANGED = (
+        "the batch `training_step` received holds a different count than the batch the loader yielded, which"
+        " lookahead read ahead and normalized the window by: a hook between the loader and `training_step`"
+        " (`on_before_batch_transfer`, `transfer_batch_to_device`, `on_after_batch_transfer`) changed the labels",
+        "change the labels in the dataset or the `collate_fn` instead (they are then counted as trained), or use"
+        " `mode='deferred'`, which counts the batch `training_step` receives.",
+    )
+    UNREDUCED_PARAMETER = (
+        "a parameter that did not require a gradient when DDP wrapped the model has a gradient now (unfrozen"
+        " later, as `BaseFinetuning` does): DDP never all-reduces its gradient, so the ranks' copies drift apart",
+        "keep every trainable parameter `requires_grad=True` when `fit` starts and freeze by leaving parameters out"
+        " of the optimizer (or with a learning rate of 0) until they should train; or unfreeze them before"
+        " `fit`.",
+    )
     ALIASED = (
         "batches read ahead share memory with each other: the loader refills one buffer in place, so the"
         " window's batches would all hold the last one",
@@ -78,6 +92,12 @@ class Problem(Enum):
         "give every rank of a tensor-parallel group the same batches (shard the data by the data-parallel rank, as"
         " Lightning's sampler under `ModelParallelStrategy` does) and make `count_fn` depend on the batch alone.",
     )
+    OUT_OF_STEP = (
+        "the ranks are out of step: they reached different collectives of the package",
+        "make every rank run the same batches and steps: a hook that ends an epoch on some ranks only"
+        " (`on_train_batch_start` returning -1 on one rank), a rank-dependent `max_steps`, `limit_train_batches`"
+        " or data length without `pad_uneven_ranks`, or an exception caught on one rank leaves the others waiting.",
+    )
     NO_BATCH = (
         "the rank's training loader yielded no batch this epoch while others did, so it has nothing to take part"
         " in DDP's backward with",
@@ -89,4 +109,3 @@ class Problem(Enum):
         self.fix = fix
 
 
-PROBLEMS: tuple[Problem, ...] = tuple(Problem)

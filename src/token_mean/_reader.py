@@ -1,8 +1,10 @@
-"""The fit loop's training batches as the strategy sees them: read ahead on demand, padded so every rank runs as long.
+"""The epoch's training batches as the package sees them: read ahead on demand, padded so every rank runs as long.
 
-The reader sits between Lightning's ``CombinedLoader`` and its data fetcher (see ``_lightning.install_reader``), so it
-sees exactly the batches ``training_step`` receives, several training loaders combined, and nothing that user code
-draws from ``trainer.train_dataloader`` itself. It never calls the strategy: the window modes pull from it.
+Under the Trainer the reader sits between Lightning's ``CombinedLoader`` and its data fetcher (``_lightning.
+read_through``), so it sees exactly the batches ``training_step`` receives, several training loaders combined, and
+nothing that user code draws from ``trainer.train_dataloader`` itself; under Fabric it reads the loader the
+accumulator was given. It never calls anything above it: the modes pull entries from it, the front end hands
+Lightning (or the loop) its items.
 """
 
 from __future__ import annotations
@@ -15,24 +17,18 @@ from typing import Any
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
 
-from token_mean._problems import Problem
-
-# count of a micro-batch as read: (count, problem or None, this rank's detail)
-Counted = tuple[float, "Problem | None", str]
-Counter = Callable[[Any], Counted]
-NOT_COUNTED: Counted = (0.0, None, "")
-UNKNOWN_END = 2**62  # an unsized epoch's length until the ranks agree on more
+UNKNOWN_END = 2**62
+"""A stream's end before its first window opens."""
 
 
 @dataclass(frozen=True)
 class Entry:
-    """One batch handed (or to be handed) to Lightning, by its position in the epoch."""
+    """One batch handed (or to be handed) to the loop, by its position in the epoch."""
 
     position: int
-    filler: bool  # a repeat of a real batch at weight zero, so an exhausted rank still joins DDP's backward
-    count: float = 0.0  # counted at read time (lookahead); 0.0 when not counted or a filler
-    problem: Problem | None = None
-    detail: str = ""
+    filler: bool  # a repeat of a real batch at weight zero, so an exhausted rank still joins every collective
+    batch: Any = None  # the batch as the loader yielded it (None for a filler)
+    aliased: bool = False  # it shares memory with a batch still held or in flight when it was read
 
 
 @dataclass(frozen=True)
@@ -40,7 +36,7 @@ class _Held:
     item: Any
     entry: Entry
     state: Any  # the loaders' state before this item was read (stateful loaders only)
-    storages: frozenset[int]  # of a real batch's tensors, to tell a loader that refills one buffer
+    storages: frozenset[int]
 
 
 def _storages(item: Any) -> frozenset[int]:
@@ -51,44 +47,51 @@ def _storages(item: Any) -> frozenset[int]:
 
 
 class Reader:
-    """Hands Lightning the epoch's batches in order, holding some ahead when a mode asks for them.
+    """Hands out the epoch's batches in order, holding some ahead when a mode asks for them.
 
-    Positions count batches from the epoch's start. ``length`` is where the epoch ends on every rank: the longest
-    rank's length for sized loaders, or a length the ranks agree on window by window for unsized ones (``extend``).
-    A rank whose loader runs out before that repeats its last real batch as a zero-weight filler; a ``None`` batch
-    becomes a filler too, so that every rank trains the same positions.
+    An item is what ``raw_next()`` returns; its first element is the batch (``(batch, batch_idx, dataloader_idx)``
+    from Lightning's ``CombinedLoader``; ``(batch,)`` under Fabric). Positions count batches from the epoch's start.
+    ``length`` is where the epoch ends on every rank: the longest rank's length for sized loaders, or, for a stream,
+    the end of its open window until the ranks agree it goes on (:meth:`extend_to`). A rank whose loader runs out
+    before that repeats its last real batch as a zero-weight filler; a ``None`` batch becomes a filler too, so every
+    rank trains the same positions. A batch read while others are held or in flight (read ahead, or prefetched from a
+    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them.
+
+    Args:
+        raw_next: the next item of the loader; raises ``StopIteration`` at its end.
+        snapshot: the loaders' own ``state_dict``s (stateful loaders only), for a mid-epoch checkpoint.
+        start: where the loop's epoch stands when the first batch is fetched (mid-epoch on resume).
     """
 
     def __init__(
-        self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None, start: Callable[[], int]
+        self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None = None, start: Callable[[], int] = int
     ) -> None:
         self._raw_next = raw_next
-        self._start = start  # where Lightning's epoch stands when the first batch is fetched (mid-epoch on resume)
+        self._snapshot = snapshot
+        self._start = start
         self._started = False
-        self._snapshot = snapshot  # the loaders' own state_dicts (stateful loaders only)
-        self.counter: Counter | None = None
         self.length = 0
         self.sized = True
         self.exhausted = False
-        self._position = 0  # of the next batch handed to Lightning
-        self._held: deque[_Held] = deque()  # read ahead of Lightning
+        self._position = 0  # of the next item handed out
+        self._held: deque[_Held] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
         self._template: Any = None  # the last real item, repeated by fillers
         self._pending: deque[Any] = deque()  # raw items read before the reader took over
         self._current_storages: frozenset[int] = frozenset()
+        self._previous_storages: frozenset[int] = frozenset()  # of the last real batch read
+        self._real_reads = 0
+        self.refills = False  # a real batch shared memory with the one read before it
         self._resumed_exhausted = False
-        self.current: Entry | None = None
+        self.current: Entry | None = None  # the entry handed out last (None before the epoch's first)
 
     # ---------------------------------------------------------------------------------------------------------
     # the epoch
     # ---------------------------------------------------------------------------------------------------------
 
     def start_epoch(self, length: int | None, resumed_exhausted: bool = False) -> None:
-        """A new pass over the loader; ``length`` None: unsized (its end is agreed as it comes, see ``extend``).
-
-        Positions count from 0 until the first batch is fetched; then they shift to where Lightning's epoch stands
-        (batches Lightning already took before a mid-epoch resume), which is only settled by then.
-        """
+        """A new pass over the loader (``length`` None: a stream); ``resumed_exhausted``: this rank's loader had run
+        out when the checkpoint being resumed was written."""
         self._position = 0
         self._started = False
         self.sized = length is not None
@@ -102,10 +105,22 @@ class Reader:
         self._template = None
 
     def adopt(self, items: list[Any]) -> None:
-        """Raw items Lightning's fetcher had read before the reader was installed: they come first."""
+        """Raw items the loop had read before the reader was installed: they come first."""
         self._pending.extend(items)
 
+    def window_stop(self, start: int, accumulate: int) -> int:
+        """One past the last position of the window that holds ``start`` (windows are K apart from the epoch's
+        start; a sized epoch's last one can be short)."""
+        stop = start + accumulate - start % accumulate
+        return min(stop, self.length) if self.sized else stop
+
+    def extend_to(self, length: int) -> None:
+        """A stream's epoch reaches ``length``: the end of its open window, or of the next one when the ranks agreed
+        that some rank has more."""
+        self.length = length
+
     def _shift(self, start: int) -> None:
+        """Positions count from 0 until the first batch is fetched, then from where the loop's epoch stands."""
         self._started = True
         self._position += start
         self._entries = deque(replace(entry, position=entry.position + start) for entry in self._entries)
@@ -113,15 +128,22 @@ class Reader:
                            for held in self._held)
 
     @property
+    def fresh(self) -> bool:
+        """Whether the loader is known to yield fresh memory: two real batches read, none sharing the previous one's
+        (a loader that refills one buffer, or shares a tensor between batches, never is)."""
+        return self._real_reads >= 2 and not self.refills
+
+    @property
     def stateful(self) -> bool:
         return self._snapshot is not None
 
     @property
     def position(self) -> int:
+        """The position of the next item handed out."""
         return self._position
 
     # ---------------------------------------------------------------------------------------------------------
-    # Lightning's side
+    # the loop's side
     # ---------------------------------------------------------------------------------------------------------
 
     def next_item(self) -> Any:
@@ -133,28 +155,23 @@ class Reader:
         if self._held:
             held = self._held.popleft()
             item, entry, storages = held.item, held.entry, held.storages
-        else:
-            item, entry = self._read(self._position)
-            storages = _storages(item) if self._checks_aliasing and not entry.filler else frozenset()
+        else:  # the batch before it is done: only batches held ahead can be overwritten
+            item, entry, storages = self._read(self._position, in_flight=False)
             self._entries.append(entry)
         self._position += 1
         self.current = entry
         self._current_storages = storages
         return item
 
-    @property
-    def _checks_aliasing(self) -> bool:
-        return self.counter is not None or not self.sized
-
     def consumed_state(self) -> Any:
-        """The loaders' state after the batches handed to Lightning: batches held ahead are not consumed yet."""
+        """The loaders' state after the batches handed out: batches held ahead are not consumed yet."""
         assert self._snapshot is not None
         return self._held[0].state if self._held else self._snapshot()
 
     @property
     def consumed_exhausted(self) -> bool:
-        """Whether the loader had run out at the consumed position (see ``consumed_state``): a loader that only
-        ran out while reading ahead still holds real batches for Lightning."""
+        """Whether the loader had run out at the consumed position: one that only ran out while reading ahead
+        still holds real batches to hand out."""
         return self.exhausted and (not self._held or self._held[0].entry.filler)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -162,7 +179,7 @@ class Reader:
     # ---------------------------------------------------------------------------------------------------------
 
     def entry(self, position: int) -> Entry:
-        """The entry of the batch at ``position``, reading ahead to it if needed; earlier entries are dropped."""
+        """The entry at ``position``, reading ahead to it if needed; earlier entries are dropped."""
         while self._entries and self._entries[0].position < position:
             self._entries.popleft()
         self.read_ahead(position + 1)
@@ -178,8 +195,9 @@ class Reader:
         self.read_ahead(stop)
         return [entry for entry in self._entries if start <= entry.position < stop]
 
-    def read_ahead(self, stop: int, at_most: int | None = None) -> None:
-        """Hold the batches up to position ``stop`` (exclusive), reading at most ``at_most`` of them now."""
+    def read_ahead(self, stop: int, at_most: int | None = None, in_flight: bool = True) -> None:
+        """Hold the batches up to position ``stop`` (exclusive), reading at most ``at_most`` of them now;
+        ``in_flight``: the batch handed out last has not finished its backward."""
         reads = 0
         next_read = self._position + len(self._held)
         while next_read < stop and (at_most is None or reads < at_most):
@@ -187,27 +205,28 @@ class Reader:
                 return
             state = self._snapshot() if self._snapshot is not None else None  # before the read: not consumed yet
             try:
-                item, entry = self._read(next_read)
+                item, entry, storages = self._read(next_read, in_flight)
             except StopIteration:
                 return
-            storages = _storages(item) if self._checks_aliasing and not entry.filler else frozenset()
             self._held.append(_Held(item, entry, state, storages))
             self._entries.append(entry)
             next_read += 1
             reads += 1
 
-    def has_real_from(self, position: int) -> bool:
-        """Whether this rank holds or can read a real batch at ``position`` or later (peeks one batch ahead)."""
+    def has_real_from(self, position: int, in_flight: bool = True) -> bool:
+        """Whether this rank holds or can read a real batch at ``position`` or later (reads at most one ahead)."""
         if any(not entry.filler for entry in self._entries if entry.position >= position):
             return True
         if self.exhausted:
             return False
-        self.read_ahead(max(position, self._position + len(self._held)) + 1)
+        self.read_ahead(max(position, self._position + len(self._held)) + 1, in_flight=in_flight)
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
     # ---------------------------------------------------------------------------------------------------------
 
-    def _read(self, position: int) -> tuple[Any, Entry]:
+    def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, frozenset[int]]:
+        """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
+        not finished its backward, so a batch sharing its memory would overwrite it."""
         if self._resumed_exhausted:
             # this rank had run out when the checkpoint was written: its loader, restored at its end, starts over,
             # and its first batch is only repeated at weight zero
@@ -215,14 +234,20 @@ class Reader:
             self._template = self._next_raw()
             self.exhausted = True
         item = self._next_raw()
-        if item is not None and item[0] is not None:
-            self._template = item
-            return item, self._entry(position, item)
-        if self._template is None:
-            self._template = self._first_real(item)
-        if self._template is None:
-            raise StopIteration  # nothing to repeat: a rank without batches (the modes report it)
-        return self._template, Entry(position, filler=True)
+        if item is None or item[0] is None:
+            if self._template is None:
+                self._template = self._first_real(item)
+            if self._template is None:
+                raise StopIteration  # nothing to repeat: a rank without batches (the modes report it)
+            return self._template, Entry(position, filler=True), frozenset()
+        self._template = item
+        storages = _storages(item)
+        self.refills = self.refills or bool(storages & self._previous_storages)
+        self._previous_storages = storages
+        self._real_reads += 1
+        in_use = any(storages & held.storages for held in self._held)
+        aliased = in_use or (in_flight and bool(storages & self._current_storages))
+        return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
 
     def _next_raw(self) -> Any:
         if self._pending:
@@ -248,11 +273,5 @@ class Reader:
         real = [item for item in found if item[0] is not None]
         return real[0] if real else None
 
-    def _entry(self, position: int, item: Any) -> Entry:
-        count, problem, detail = self.counter(item[0]) if self.counter is not None else NOT_COUNTED
-        if problem is None and self._checks_aliasing:
-            storages = _storages(item)
-            if storages & self._current_storages or any(storages & held.storages for held in self._held):
-                problem = Problem.ALIASED
-                detail = f"the batch at position {position} reuses the memory of a batch held before it"
-        return Entry(position, filler=False, count=count, problem=problem, detail=detail)
+
+__all__ = ["UNKNOWN_END", "Entry", "Reader"]

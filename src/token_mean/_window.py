@@ -1,58 +1,52 @@
-"""One accumulation window's record, the one collective that combines it over ranks, and what the step used.
+"""One accumulation window on one rank: what its micro-batches contributed, its one exchange, and what the step used.
 
-Every window costs exactly one SUM all-reduce of a small float64 record, started without waiting after the window's
-last forward. Its layout is fixed (:data:`SLOTS`); every problem takes two slots: how many ranks had it, and the sum
-of 2**rank over those of the first 52 ranks, which names them exactly (distinct powers of two add up exactly in
-float64). Per-rank counts cost P more slots and are only
-added when something asked for them (:class:`~token_mean.DenominatorMonitor` does).
+A :class:`Window` is created when a window opens and dropped when it ends. The modes feed it one micro-batch at a time
+(:meth:`Window.add`, with problems as they find them); after the window's last forward :meth:`Window.close` builds
+the window's record and starts its one collective, and after its last backward :meth:`Closing.result` reads it on the
+host (the window's one host read) and raises the same :class:`~token_mean.DenominatorError` on every rank if any
+rank raised a problem. Everything per micro-batch stays on the device, detached, and is summed once per window.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from token_mean._problems import PROBLEMS, DenominatorError, Problem
+from token_mean._problems import Problem
+from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values
 
-# The scalar slots of a record, in order. COUNT and MICRO belong to the window whose counts the record announces
-# (lookahead: the next window; deferred: this one); the others to the window that just ended. REPORTED, COUNTED and
-# FIRST sum, over micro-batches whose 'num_items' disagrees with the count, that number, the count, and the valid
-# labels in the first position of a row (what a model that shifts labels never predicts), so that a mismatch is
-# explained with the same numbers on every rank.
-# NAIVE is only measured by DenominatorMonitor under plain DDP: the sum of Lightning's loss / K per micro-batch.
-COUNT, MICRO, LOSS_SUM, AUX_SUM, LENGTH, LENGTH_SQUARED, MORE, REPORTED, COUNTED, FIRST, NAIVE = range(11)
-SLOTS = 11
-FLAGS = SLOTS  # then one slot per problem: the number of ranks that had it
-RANK_SUMS = FLAGS + len(PROBLEMS)  # then one per problem: the sum of 2**rank over those ranks below NAMED_RANKS
-NAMED_RANKS = 52
-RECORD_SIZE = RANK_SUMS + len(PROBLEMS)  # then, when asked for, one slot per rank: that rank's COUNT
+# the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
+_CHECK_SLOTS = {
+    Problem.NUM_ITEMS_MISMATCH_COUNT_FN: (Slot.REPORTED, Slot.COUNTED),
+    Problem.NUM_ITEMS_MISMATCH_DEFAULT: (Slot.REPORTED, Slot.COUNTED),
+    Problem.COUNT_CHANGED: (Slot.READ, Slot.RECEIVED),
+}
 
 
 @dataclass(frozen=True)
 class WindowStats:
     """The denominator and loss of one optimizer step.
 
-    :class:`~token_mean.TokenMeanDDPStrategy` publishes one of these as ``strategy.last_window`` after the last
-    micro-batch of each accumulation window (before ``on_before_optimizer_step``), so callbacks can log exactly what
-    the update used. Every field but ``local_count`` is identical on every rank. Counts are floats because an item
-    can be a sample weight; integer counts are exact in float64 up to 2**53.
+    A token-mean strategy publishes one of these as ``strategy.last_window`` after the last micro-batch of each
+    accumulation window (before ``on_before_optimizer_step``), so callbacks can log exactly what the update used;
+    ``TokenMeanAccumulator.finish()`` returns it. Every field but ``local_count`` is identical on every rank. Counts are
+    floats because an item can be a sample weight; integer counts are exact in float64 up to 2**53.
 
     Attributes:
         global_count: N, the valid items of the window summed over all ranks and micro-batches.
         local_count: n_r, this rank's valid items in the window (differs between ranks).
-        rank_counts: n_r for every rank, indexed by global rank; ``None`` unless asked for (they cost P floats per
-            window in the collective: ``strategy.track_rank_counts()``, which ``DenominatorMonitor`` calls).
-        window_length: micro-batches in the window (shorter than K for a partial last window), zero-weight
-            fillers of exhausted ranks included.
+        rank_counts: n_r for every rank, indexed by rank; ``None`` unless asked for (they cost P floats per window in
+            the collective: ``strategy.track_rank_counts()``, which ``DenominatorMonitor`` calls).
+        window_length: micro-batches in the window (shorter than K for a partial last window), zero-weight fillers of
+            exhausted ranks included.
         loss: the exact global mean loss of the window, Σ loss sums / N; ``None`` when N = 0.
-        skipped: True when N = 0 on every rank: the optimizer step was skipped and no state changed.
-        mode: ``"lookahead"`` or ``"deferred"`` (the strategy), or ``"measured"`` (``DenominatorMonitor`` without it).
+        skipped: True when N = 0 on every rank: no update, no state changed.
+        mode: how the count reached the gradient: ``"lookahead"`` or ``"deferred"``; ``"none"`` for a window that
+            ``DenominatorMonitor`` measured under a strategy that does not normalize it.
         aux_loss: the mean of the ``"aux_loss"`` terms over the window's real micro-batches on all ranks, when
             ``training_step`` returns one; else ``None``.
 
@@ -96,147 +90,229 @@ class WindowStats:
         return max(abs(size * n / self.global_count - 1.0) for n in self.rank_counts)
 
 
-class Exchange:
-    """The window's one collective: a SUM all-reduce of every rank's record, in flight until read.
+class Window:
+    """The accumulation window being trained on this rank (see the module docstring).
 
-    ``wait()`` hands back the reduced record on the device without a host sync (on NCCL the current stream waits
-    for the collective; gloo completes on the host). ``read()`` copies it to the host: once per window, after the
-    window's last backward.
+    Args:
+        channel: where the window's record is exchanged.
+        start: the position of its first micro-batch in the epoch.
+        accumulate: K, the micro-batches per window in force.
+        step: what messages call the optimizer step, e.g. ``"optimizer step 3 (epoch 0"``.
+        loss_reduction: ``"mean"`` (each loss is a mean over its micro-batch's count) or ``"sum"``.
+        judge_counts: flag negative and non-finite counts (False where they were judged where they were taken).
+        judge_losses: flag non-finite losses of micro-batches with items (False where the window only measures).
     """
 
-    def __init__(self, record: Tensor, group: Any | None, distributed: bool) -> None:
-        self.record = record
-        self._work = dist.all_reduce(record, group=group, async_op=True) if distributed else None
+    def __init__(
+        self,
+        channel: Channel,
+        start: int,
+        accumulate: int,
+        step: str,
+        loss_reduction: str,
+        judge_counts: bool = True,
+        judge_losses: bool = True,
+    ) -> None:
+        self.channel = channel
+        self._judge_counts = judge_counts
+        self._judge_losses = judge_losses
+        self.start = start
+        self.accumulate = accumulate
+        self.step = step
+        self._mean = loss_reduction == "mean"
+        self._device = channel.world.device
+        self._counts: list[Tensor] = []
+        self._losses: list[Tensor] = []
+        self._aux: list[Tensor] = []
+        self._checks: dict[Problem, list[tuple[Tensor | float, Tensor | float, Tensor | None]]] = {}
+        self._added: list[tuple[Slot, Tensor]] = []
+        self._flags: set[Problem] = set()
+        self._detail = ""
+        self.length = 0
+        self.real = 0
 
-    def wait(self) -> Tensor:
-        if self._work is not None:
-            self._work.wait()
-            self._work = None
-        return self.record
+    @property
+    def where(self) -> str:
+        """The window as messages name it."""
+        return f"the accumulation window of {self.step}, batches {self.start}..{self.start + self.length - 1})"
 
-    def read(self, extra: Tensor | None = None) -> list[float]:
-        """The reduced record on the host (``extra`` local values appended, read in the same copy)."""
-        record = self.wait()
-        if extra is not None:
-            record = torch.cat([record, extra.to(record.dtype)])
-        return record.tolist()  # type: ignore[no-any-return]
+    @property
+    def flags(self) -> set[Problem]:
+        """The problems found on the host so far."""
+        return set(self._flags)
+
+    @property
+    def has_aux(self) -> bool:
+        """Whether a micro-batch returned an 'aux_loss'."""
+        return bool(self._aux)
+
+    @property
+    def detail(self) -> str:
+        """What this rank saw of its first host-side problem (a note of the error)."""
+        return self._detail
+
+    def zero(self) -> Tensor:
+        return torch.zeros((), dtype=torch.float64, device=self._device)
+
+    # -------------------------------------------------------------------------------------------------------------
+    # feeding
+    # -------------------------------------------------------------------------------------------------------------
+
+    def add(self, count: Tensor, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
+        """One micro-batch: its count (a 0-dim tensor on the device), its loss as ``training_step`` returned it."""
+        self.length += 1
+        self.real += not filler
+        self._counts.append(count)
+        self._losses.append(self.zero() if loss is None else loss.detach() if loss.requires_grad else loss)
+        if aux is not None:
+            self._aux.append(aux.detach())
+
+    def flag(self, problem: Problem, detail: str = "") -> None:
+        """A problem found on the host; ``detail`` says what this rank saw (a note of its error)."""
+        self._flags.add(problem)
+        self._detail = self._detail or detail
+
+    def check_equal(
+        self, problem: Problem, left: Tensor | float, right: Tensor | float, hint: Tensor | None = None
+    ) -> None:
+        """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
+        self._checks.setdefault(problem, []).append((left, right, hint))
+
+    def add_to(self, slot: Slot, value: Tensor) -> None:
+        """Add a device value to ``slot`` of the record (``NAIVE``)."""
+        self._added.append((slot, value))
+
+    # -------------------------------------------------------------------------------------------------------------
+    # ending
+    # -------------------------------------------------------------------------------------------------------------
+
+    def close(self, announce: Values = Values()) -> Closing:  # noqa: B008 (frozen)
+        """After the window's last forward: start its exchange (``announce``: what else the record carries)."""
+        counts = torch.stack(self._counts).to(torch.float64)
+        valid = torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)  # a bad count counts nothing
+        local_count = valid.sum()
+        losses = torch.stack(self._losses).to(torch.float64)
+        values = losses * (valid if self._mean else (valid > 0).to(torch.float64))
+        # an empty micro-batch's mean is 0/0 = NaN, and NaN × 0 is NaN: it adds nothing to the loss sum
+        loss_sum = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0).sum()
+        device = [(Slot.COUNT, local_count), (Slot.LOSS_SUM, loss_sum), *self._added]
+        device_flags: list[tuple[Problem, Tensor]] = []
+        if self._judge_counts:
+            device_flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()),
+                             (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
+        if self._judge_losses:
+            bad_values = _nonfinite(values) & (valid > 0)
+            bad_loss = _nonfinite(losses)
+            # a finite loss times a huge count: the count's fault, not the model's
+            device_flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
+                             (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
+        if self._aux:
+            aux = torch.stack(self._aux).to(torch.float64)
+            device.append((Slot.AUX_SUM, aux.sum()))
+            device_flags.append((Problem.BAD_AUX_LOSS, _nonfinite(aux).any()))
+        for problem, checks in self._checks.items():
+            device += self._check_slots(problem, checks, device_flags)
+        length = float(self.length)
+        host = {**announce.host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
+        flags = self._flags | announce.flags
+        device_flags += announce.device_flags
+        if self.channel.world.replica_group is not None:
+            device_flags, flags = self._shared_with_replicas(valid, flags, device_flags), set()
+        values_ = Values(host, [*device, *announce.device], frozenset(flags), device_flags)
+        return Closing(self, self.channel.start(Kind.WINDOW, values_), local_count)
+
+    def _check_slots(
+        self, problem: Problem, checks: list[tuple[Tensor | float, Tensor | float, Tensor | None]],
+        device_flags: list[tuple[Problem, Tensor]],
+    ) -> list[tuple[Slot, Tensor]]:
+        left = self._stack([value for value, _, _ in checks])
+        right = self._stack([value for _, value, _ in checks])
+        differ = left != right
+        device_flags.append((problem, differ.any()))
+        slots = [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right), strict=True)]
+        hints = [hint for _, _, hint in checks]
+        if any(hint is not None for hint in hints):
+            first = torch.stack([self.zero() if h is None else h.to(self._device, torch.float64) for h in hints])
+            slots.append((Slot.FIRST, (first * differ).sum()))
+        return slots
+
+    def _stack(self, values: list[Tensor | float]) -> Tensor:
+        """float64 on the device: host floats in one copy, device values stacked."""
+        if all(isinstance(value, float) for value in values):
+            return torch.tensor(values, dtype=torch.float64).to(self._device, non_blocking=True)
+        tensors = [value if isinstance(value, Tensor) else torch.tensor(value) for value in values]
+        return torch.stack([tensor.to(self._device) for tensor in tensors]).to(torch.float64)
+
+    def _shared_with_replicas(
+        self, counts: Tensor, flags: set[Problem], device_flags: list[tuple[Problem, Tensor]]
+    ) -> list[tuple[Problem, Tensor]]:
+        """The ranks holding this rank's batches (a tensor-parallel group) count alike, and share their problems.
+
+        One MAX all-reduce of 2 × (micro-batches) + (problems) float64 over the replica group. Exact for any float
+        count: the group agrees exactly when max(n) = -max(-n) for every micro-batch. A problem of any rank of the
+        group becomes a problem of each (the window's record only sums over the data-parallel ranks), so every rank
+        of the mesh raises, and none is left in a collective with a peer that raised.
+        """
+        problems = list(Problem)
+        index = {problem: position for position, problem in enumerate(problems)}
+        raised = torch.tensor([float(problem in flags) for problem in problems], dtype=torch.float64)
+        raised = raised.to(self._device, non_blocking=True)
+        if device_flags:
+            where = torch.tensor([index[problem] for problem, _ in device_flags], device=self._device)
+            found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
+            raised = raised.index_add(0, where, found)
+        both = torch.cat([counts, -counts, raised])
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.channel.world.replica_group)
+        size = counts.numel()
+        shared = both[2 * size :].clamp(max=1.0)
+        differ = (both[:size] != -both[size : 2 * size]).any()
+        return [*((problem, shared[index[problem]]) for problem in problems), (Problem.REPLICA_COUNTS_DIFFER, differ)]
 
 
-def build_record(
-    scalars: Tensor,
-    flags: Tensor,
-    rank: int,
-    rank_slot: int | None,
-    world_size: int,
-) -> Tensor:
-    """Lay out one rank's record: ``scalars`` (the :data:`SLOTS` values), problem ``flags`` (0/1 per problem).
-
-    ``rank_slot`` adds the per-rank count block, with this rank's COUNT at ``rank_slot``.
-    """
-    parts = [scalars, flags, flags * (2.0**rank if rank < NAMED_RANKS else 0.0)]
-    if rank_slot is not None:
-        one_hot = torch.zeros(world_size, dtype=scalars.dtype, device=scalars.device)
-        one_hot[rank_slot] = scalars[COUNT]
-        parts.append(one_hot)
-    return torch.cat(parts)
+def _nonfinite(values: Tensor) -> Tensor:
+    """NaN or ±inf, elementwise, in two kernels (``~isfinite`` takes five on the CPU): x - x is 0 exactly for every
+    finite x, and NaN for NaN and ±inf."""
+    return (values - values).ne(0)
 
 
-def make_record(
-    slots: Sequence[tuple[int, float]],
-    flags: Sequence[float],
-    device_scalars: Sequence[tuple[int, Tensor]],
-    device_flags: Sequence[tuple[Problem, Tensor]],
-    device: torch.device,
-    rank: int,
-    world_size: int,
-    rank_counts: bool,
-) -> Tensor:
-    """One rank's record from host values (one host-to-device copy) and device values (never read on the host).
+class Closing:
+    """A window after its last forward: its exchange is in flight; :meth:`result` reads it after the last backward."""
 
-    ``slots`` and ``device_scalars`` fill scalar slots, ``flags`` are host-side problems (0/1 per problem) and
-    ``device_flags`` problems decided on the device; ``rank_counts`` adds the per-rank count block.
-    """
-    host = [0.0] * SLOTS
-    for slot, value in slots:
-        host[slot] = value
-    values = torch.tensor(host + list(flags), dtype=torch.float64).to(device, non_blocking=True)
-    scalars, flag_tensor = values[:SLOTS], values[SLOTS:]
-    if device_scalars:
-        index = torch.tensor([slot for slot, _ in device_scalars], device=device)
-        scalars = scalars.index_add(0, index, torch.stack([value.to(torch.float64) for _, value in device_scalars]))
-    if device_flags:
-        index = torch.tensor([PROBLEMS.index(problem) for problem, _ in device_flags], device=device)
-        raised = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
-        raised_flags = torch.zeros_like(flag_tensor).index_add(0, index, raised).clamp(max=1)
-        flag_tensor = torch.maximum(flag_tensor, raised_flags)
-    return build_record(scalars, flag_tensor, rank, rank if rank_counts else None, world_size)
+    def __init__(self, window: Window, exchange: Exchange, local_count: Tensor) -> None:
+        self.window = window
+        self._exchange = exchange
+        self._local_count = local_count
+
+    def global_count(self) -> Tensor:
+        """N on the device, waiting for the exchange on the device only (no host read)."""
+        return self._exchange.wait()[Slot.COUNT]
+
+    def result(self) -> Result:
+        """The reduced record and this rank's count (the window's one host read); raises every rank's problems."""
+        reduced = self._exchange.read(extra=self._local_count)
+        reduced.check(self.window.where, self.window.detail)
+        return Result(reduced, reduced.local[0], self.window.length)
 
 
 @dataclass(frozen=True)
-class Reduced:
-    """A window's record summed over ranks, on the host."""
+class Result:
+    """What a window's exchange brought back, every problem already raised."""
 
-    values: list[float]
+    reduced: Reduced
+    local_count: float
+    length: int
 
-    def __getitem__(self, slot: int) -> float:
-        return self.values[slot]
-
-    def rank_counts(self) -> tuple[float, ...] | None:
-        extra = self.values[RECORD_SIZE:]
-        return tuple(extra) if extra else None
-
-    def problems(self) -> list[str]:
-        """One line per problem some rank had: which rank (or how many) and the fix."""
-        lines = []
-        for index, problem in enumerate(PROBLEMS):
-            ranks = round(self.values[FLAGS + index])
-            if ranks == 0:
-                continue
-            bits = int(self.values[RANK_SUMS + index])
-            named = [str(rank) for rank in range(NAMED_RANKS) if bits >> rank & 1]
-            where = ("rank " if ranks == 1 else "ranks ") + ", ".join(named)
-            if len(named) < ranks:
-                where = f"{ranks} ranks" + (f" (among them {', '.join(named)})" if named else "")
-            what = problem.what
-            if problem.name.startswith("NUM_ITEMS_MISMATCH"):
-                what += self.num_items_note()
-            lines.append(f"{where}: {what}. Fix: {problem.fix}")
-        return lines
-
-    def num_items_note(self) -> str:
-        """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
-        reported, counted, first = self.values[REPORTED], self.values[COUNTED], self.values[FIRST]
-        note = f" (over the micro-batches that disagree: 'num_items' sums to {reported:g}, the count to {counted:g}"
-        if first > 0 and counted - reported == first:
-            note += (
-                f"; the count is higher by exactly the {first:g} valid labels in the first position of a row: the"
-                " labels are shifted inside the model; use `count_fn=token_mean.count_shifted_labels`"
-            )
-        return note + ")"
-
-    def lengths_agree(self, world_size: int) -> bool:
-        """All ranks ran windows of one length exactly when Σl² = (Σl)²/P (integers, exact in float64)."""
-        total, squares = self.values[LENGTH], self.values[LENGTH_SQUARED]
-        return squares * world_size == total * total
-
-
-def mismatch_slots(reported: Tensor, counted: Tensor, first: Tensor) -> list[tuple[int, Tensor]]:
-    """REPORTED, COUNTED and FIRST over the micro-batches whose 'num_items' and count disagree (on the device)."""
-    disagree = reported != counted
-    return [
-        (slot, torch.where(disagree, values, torch.zeros_like(values)).sum())
-        for slot, values in ((REPORTED, reported), (COUNTED, counted), (FIRST, first.to(reported.dtype)))
-    ]
-
-
-def raise_problems(lines: list[str], where: str, local_detail: str, rank: int) -> None:
-    """Raise the same :class:`DenominatorError` on every rank (this rank's own detail as a note)."""
-    if not lines:
-        return
-    error = DenominatorError(f"token_mean: cannot normalize {where}:\n  " + "\n  ".join(lines))
-    if local_detail:  # a note, so that the message itself is the same on every rank
-        error.add_note(f"On rank {rank}: {local_detail}")
-    raise error
+    def stats(self, global_count: float, mode: str, aux: float | None) -> WindowStats:
+        return WindowStats(
+            global_count=global_count,
+            local_count=self.local_count,
+            rank_counts=self.reduced.rank_counts(),
+            window_length=self.length,
+            loss=None if global_count == 0 else self.reduced[Slot.LOSS_SUM] / global_count,
+            skipped=global_count == 0,
+            mode=mode,
+            aux_loss=aux,
+        )
 
 
 def scale_of(numerator: float, count: float) -> float:
@@ -249,14 +325,4 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = [
-    "Exchange",
-    "Problem",
-    "Reduced",
-    "WindowStats",
-    "build_record",
-    "make_record",
-    "mismatch_slots",
-    "raise_problems",
-    "scale_of",
-]
+__all__ = ["Closing", "Result", "Window", "WindowStats", "scale_of"]

@@ -21,10 +21,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from token_mean import _lightning
 from token_mean._compare import Divergence, DivergenceError, TraceComparison
-from token_mean._counting import CountFn, count_valid_labels
+from token_mean._counting import CountFn
+from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import global_norm, grad_norm
-from token_mean._measure import MeasuredWindow
+from token_mean._hooks import TokenMeanStrategy
+from token_mean._measure import MeasuredWindow, default_world
+from token_mean._record import Channel
 from token_mean._trace import TraceWriter, trace_format
 from token_mean._window import WindowStats
 
@@ -185,6 +189,7 @@ class DenominatorMonitor(Callback):
         self._uses_strategy = False
         self._reference: TraceComparison | None = None
         self._window: MeasuredWindow | None = None
+        self._channel = Channel(default_world(torch.device("cpu")))
         self._writer: TraceWriter | None = None
         self._warned_missing_window = False
         self._warned_past_reference = False
@@ -198,20 +203,18 @@ class DenominatorMonitor(Callback):
         if stage != "fit":
             return
         strategy = trainer.strategy
-        self._uses_strategy = hasattr(strategy, "last_window")
-        if self._uses_strategy and hasattr(strategy, "track_rank_counts"):
+        self._uses_strategy = isinstance(strategy, TokenMeanStrategy)
+        if isinstance(strategy, TokenMeanStrategy):
             strategy.track_rank_counts()  # the per-rank figures below need every rank's count
-        strategy_count_fn = getattr(strategy, "count_fn", None)
+        strategy_count_fn = strategy.count_fn if isinstance(strategy, TokenMeanStrategy) else None
         if self._uses_strategy and self._count_fn_arg is not None and self._count_fn_arg is not strategy_count_fn:
             rank_zero_warn(
                 "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
                 f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy instead."
             )
         self._count_fn = self._count_fn_arg or strategy_count_fn or count_valid_labels
-        strategy_reduction = getattr(strategy, "loss_reduction", None)
-        self._loss_reduction = self._loss_reduction_arg or (
-            strategy_reduction if strategy_reduction in ("mean", "sum") else "mean"
-        )
+        strategy_reduction = strategy.loss_reduction if isinstance(strategy, TokenMeanStrategy) else "mean"
+        self._loss_reduction = self._loss_reduction_arg or strategy_reduction
         self._reference = (
             None if self._reference_path is None else TraceComparison(self._reference_path, self._rtol, self._atol)
         )
@@ -223,6 +226,7 @@ class DenominatorMonitor(Callback):
         self._warned_missing_window = False
         self._warned_past_reference = False
         self._reset_window()
+        self._channel = Channel(default_world(trainer.strategy.root_device), rank_counts=True)
         if self._reference is not None:
             self._reference.check_length(trainer.global_step, trainer.estimated_stepping_batches)
         if self._record_path is not None and trainer.is_global_zero:
@@ -260,7 +264,7 @@ class DenominatorMonitor(Callback):
     ) -> None:
         if not self._uses_strategy:
             if self._window is None:
-                self._window = MeasuredWindow(self._count_fn, self._loss_reduction, trainer.strategy.root_device)
+                self._window = self._measured(batch_idx, trainer.global_step)
             # Lightning divided the closure loss by K under automatic optimization
             self._window.add(batch, outputs, trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
         self._window_length += 1
@@ -298,11 +302,14 @@ class DenominatorMonitor(Callback):
             else:
                 rank_zero_info(divergence.message)
 
+    def _measured(self, start: int, step: int) -> MeasuredWindow:
+        return MeasuredWindow(self._channel, self._count_fn, self._loss_reduction, start, step)
+
     def _finish_window(self, trainer: Trainer) -> tuple[WindowStats | None, float | None]:
         """The window that just ended, and the loss plain DDP differentiated (``None`` under the strategy)."""
         if not self._uses_strategy:
-            window = self._window or MeasuredWindow(self._count_fn, self._loss_reduction, trainer.strategy.root_device)
-            return window.finish(self._step_at_batch_start)
+            window = self._window or self._measured(0, self._step_at_batch_start)
+            return window.finish()
         stats = getattr(trainer.strategy, "last_window", None)
         if not isinstance(stats, WindowStats) or stats is self.last_window:
             if not self._warned_missing_window:
@@ -317,13 +324,9 @@ class DenominatorMonitor(Callback):
     # ------------------------------------------------------------------ logging, traces, comparison
 
     def _should_log(self, trainer: Trainer, step: int) -> bool:
-        # The Trainer sets `log_every_n_steps` at run time (trainer/connectors/logger_connector), unannotated.
-        default: int = getattr(trainer, "log_every_n_steps", 50)
-        interval = self.logging_interval if self.logging_interval is not None else default
-        if interval == 0:
-            return False
-        # Lightning's rule for its own step metrics (`_LoggerConnector.should_update_logs`).
-        return (step + 1) % interval == 0 or trainer.should_stop
+        if self.logging_interval is None:
+            return _lightning.should_update_logs(trainer)  # when Lightning logs the batch's own `self.log` values
+        return (step + 1) % self.logging_interval == 0 or trainer.should_stop
 
     def _trace_row(
         self, trainer: Trainer, pl_module: LightningModule, step: int, window: WindowStats, grad_norm: Tensor | None
@@ -398,4 +401,4 @@ def _window_metrics(window: WindowStats, elapsed: float, naive_loss: float | Non
     return metrics
 
 
-__all__ = ["DenominatorMonitor", "Divergence", "DivergenceError"]
+__all__ = ["DenominatorMonitor"]

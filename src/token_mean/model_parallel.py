@@ -10,16 +10,18 @@ import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from token_mean import _fsdp, _lightning
-from token_mean._counting import CountFn
-from token_mean._hooks import Mode, TokenMeanHooks
-from token_mean._mode import LossReduction, WindowMode, World
+from token_mean import _lightning
+from token_mean._deferred import GradientPath
+from token_mean._fsdp import AfterReduction, Outputs, check_reduction
+from token_mean._hooks import TokenMeanStrategy
+from token_mean._record import World
 
 
-class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
+class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
     r"""Lightning's ``ModelParallelStrategy`` (FSDP2 × tensor parallelism) optimizing the mean loss over all valid
     items of each optimizer step.
 
@@ -52,8 +54,10 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
     - The strategy relies on FSDP2's default mean: a module with ``set_gradient_divide_factor`` or sharded over
       another number of ranks than the data-parallel size is an error in ``setup``.
 
-    Unlike under DDP, a ``training_step`` that returns no loss raises at once on its own rank (FSDP2 cannot be kept
-    in step without the forward's outputs), and the other ranks fail after the process group's ``timeout``.
+    A ``training_step`` that returns no loss back-propagates a zero made of the outputs of the outermost sharded
+    modules it ran instead (FSDP2's backward collectives hang on them), so every rank raises the same error at the
+    window's end; only a step that ran no sharded module raises at once on its own rank, the others then failing at
+    the process group's ``timeout``.
 
     Per window this costs what the DDP strategy costs (one all-reduce of a small record, over the data-parallel
     group, read on the host once after the last backward), plus the tensor-parallel count check above and, in
@@ -81,16 +85,6 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
 
     strategy_name = "model_parallel_token_mean"
 
-    def __init__(
-        self,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction = "mean",
-        mode: Mode = "lookahead",
-        pad_uneven_ranks: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(count_fn, loss_reduction, mode, pad_uneven_ranks, **kwargs)
-
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
@@ -101,81 +95,48 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
 
     @override
     def _world(self) -> World:
-        mesh = self.device_mesh
-        data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
-        distributed = dist.is_available() and dist.is_initialized()
-        return World(
-            size=data_parallel.size(),
-            rank=data_parallel.get_local_rank(),
-            device=self.root_device,
-            group=data_parallel.get_group() if distributed else None,
-            distributed=distributed and data_parallel.size() > 1,
-            replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
-            gradients_averaged=True,
-        )
+        return mesh_world(self.device_mesh, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING:
-            self._check_reduction()
-
-    def _check_reduction(self) -> None:
-        """Both modes assume FSDP2 divides every gradient by the data-parallel size P, as it does by default."""
-        assert self.model is not None
-        data_parallel = self.device_mesh["data_parallel"].size()
-        found = list(_fsdp.reductions(self.model))
-        for reduction in found:
-            where = f"`{reduction.module}`" if reduction.module else "the LightningModule"
-            if reduction.divide_factor is not None:
-                raise ValueError(
-                    f"`{type(self).__name__}` applies the global token count itself, relying on FSDP2's default"
-                    f" mean over the {data_parallel} data-parallel ranks, but {where} has"
-                    f" `set_gradient_divide_factor({reduction.divide_factor!r})`. Remove that call."
+            assert self.model is not None
+            data_parallel = self.device_mesh["data_parallel"].size()
+            if not check_reduction(self.model, data_parallel, type(self).__name__) and data_parallel > 1:
+                rank_zero_warn(
+                    f"`{type(self).__name__}`: no module is wrapped with `fully_shard`, but the data-parallel size is"
+                    f" {data_parallel}. The token mean assumes the gradients are averaged over the data-parallel"
+                    " ranks; apply `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in `configure_model`."
                 )
-            if reduction.ranks != data_parallel:
-                raise ValueError(
-                    f"`fully_shard` on {where} reduces gradients over {reduction.ranks} ranks, but the data-parallel"
-                    f" dimension of the device mesh has {data_parallel}: pass"
-                    " `mesh=self.device_mesh['data_parallel']` to `fully_shard` in `configure_model`."
-                )
-        if not found and data_parallel > 1:
-            rank_zero_warn(
-                f"`{type(self).__name__}`: no module is wrapped with `fully_shard`, but the data-parallel size is"
-                f" {data_parallel}. The token mean assumes the gradients are averaged over the data-parallel ranks;"
-                " apply `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in `configure_model`."
-            )
+            self._outputs = Outputs(self.model)
 
     @override
-    def _correct_gradients(self, mode: WindowMode) -> None:
-        correction = mode.gradient_correction()
-        if correction is None:
-            return  # lookahead: the loss scale already made the reduced gradient exact
-        from torch.distributed.tensor import DTensor
-
+    def _gradient_path(self) -> GradientPath:
         assert self.model is not None
-        local: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
-        for parameter in self.model.parameters():
-            grad = parameter.grad
-            if grad is None:
-                continue
-            # FSDP2's (and tensor parallelism's) gradients are DTensors: scale the shard this rank holds, in place
-            shard = grad.to_local() if isinstance(grad, DTensor) else grad
-            local.setdefault((shard.device, shard.dtype), []).append(shard)
-        with torch.no_grad():
-            for (device, dtype), shards in local.items():
-                torch._foreach_mul_(shards, correction.to(device=device, dtype=dtype))
+        return AfterReduction(self.model, self.device_mesh["data_parallel"].size())
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        outputs = getattr(self, "_outputs", None)
+        if outputs is None:
+            return super().training_step(*args, **kwargs)
+        with outputs.kept():
+            return super().training_step(*args, **kwargs)
 
     @override
     def _stand_in_loss(self) -> Tensor:
-        # Under DDP a zero touching every parameter keeps this rank in step until the window's collective; FSDP2's
-        # reduce-scatter is only triggered through the forward's outputs, which the strategy does not have, so
-        # the other ranks would wait for it. Fail here, with the reason, instead of hanging silently.
-        raise ValueError(
-            f"token_mean: `training_step` returned no loss (None, or a dict without 'loss') on rank {self.global_rank}"
-            f" under `{type(self).__name__}`. FSDP2 needs every rank's backward, so the other ranks now wait until"
-            " the process group's `timeout`. Return the micro-batch's loss from every `training_step`."
-        )
+        # FSDP2's backward hooks hang on the forward's outputs: a zero made of them runs every collective of the
+        # backward, so this rank stays in step until the window's record makes every rank raise
+        loss = self._outputs.stand_in_loss()
+        if loss is None:
+            raise ValueError(
+                f"token_mean: `training_step` returned no loss (None, or a dict without 'loss') on rank"
+                f" {self.global_rank} under `{type(self).__name__}`, and ran no sharded module whose outputs could"
+                " stand in for it: the other ranks now wait until the process group's `timeout`. Return the"
+                " micro-batch's loss from every `training_step`."
+            )
+        return loss
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
@@ -187,6 +148,22 @@ class TokenMeanModelParallelStrategy(TokenMeanHooks, ModelParallelStrategy):
         if own is not None:
             _lightning.replace_checkpoint_loader_states(checkpoint, own)
         return checkpoint
+
+
+def mesh_world(mesh: Any, device: torch.device) -> World:
+    """The data-parallel ranks of a ``("data_parallel", "tensor_parallel")`` device mesh share the denominator; the
+    tensor-parallel ones hold the same batches and must count alike."""
+    data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
+    distributed = dist.is_available() and dist.is_initialized()
+    return World(
+        size=data_parallel.size(),
+        rank=data_parallel.get_local_rank(),
+        device=device,
+        group=data_parallel.get_group() if distributed else None,
+        distributed=distributed and data_parallel.size() > 1,
+        replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
+        gradients_averaged=True,
+    )
 
 
 TokenMeanModelParallelStrategy.register_strategies(StrategyRegistry)

@@ -2,20 +2,23 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
-import torch
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from token_mean import _lightning
 from token_mean._counting import CountFn
-from token_mean._hooks import Mode, TokenMeanHooks
-from token_mean._mode import LossReduction, World
+from token_mean._ddp import InReduction, UnreducedParameters
+from token_mean._deferred import GradientPath
+from token_mean._hooks import TokenMeanStrategy
+from token_mean._mode import LossReduction, Mode, WindowCheck
+from token_mean._record import World
 
 
-class TokenMeanDDPStrategy(TokenMeanHooks, DDPStrategy):
+class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     r"""DDP with gradient accumulation that optimizes the mean loss over all valid items of each optimizer step.
 
     Plain DDP with ``accumulate_grad_batches=K`` optimizes a mean of means: every micro-batch's mean loss is divided
@@ -116,16 +119,19 @@ class TokenMeanDDPStrategy(TokenMeanHooks, DDPStrategy):
     @override
     def _world(self) -> World:
         # every rank holds its own batch: all of them share the denominator, over the default process group
-        return World(
-            size=self.world_size, rank=self.global_rank, device=self.root_device, group=None,
-            distributed=self._distributed(),
-        )
+        return World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
+
+    def _ddp_model(self) -> DistributedDataParallel:
+        assert isinstance(self.model, DistributedDataParallel)  # `fit` wraps it before the hooks ask
+        return self.model
 
     @override
-    def configure_ddp(self) -> None:
-        super().configure_ddp()
-        assert self._mode is not None and isinstance(self.model, torch.nn.parallel.DistributedDataParallel)
-        self._mode.attach(self.model)  # deferred mode folds D/N into DDP's bucket all-reduce
+    def _gradient_path(self) -> GradientPath:
+        return InReduction(self._ddp_model())
+
+    @override
+    def _window_checks(self) -> Sequence[WindowCheck]:
+        return [UnreducedParameters(self._ddp_model())]
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

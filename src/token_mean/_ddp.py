@@ -1,0 +1,67 @@
+"""What the package needs of a DDP-wrapped model, under the Trainer and under Fabric alike.
+
+- :class:`InReduction`: deferred mode's factor, inside DDP's bucket all-reduce (a communication hook).
+- :class:`UnreducedParameters`: DDP reduces the gradients of the parameters that required one when it wrapped the
+  model; a parameter unfrozen later (``BaseFinetuning``) trains on each rank's own gradient, so the replicas drift
+  apart silently. The check is a host read of ``requires_grad`` per frozen parameter and window, and its problem
+  travels in the window's record, so every rank raises before the first such update.
+- :func:`stand_in_loss`: a zero that touches every trainable parameter, so that a rank whose ``training_step``
+  returned no loss still joins DDP's backward until every rank raises at the window's end.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+
+from token_mean import _torch
+from token_mean._comm_hook import scaled_allreduce_hook
+from token_mean._deferred import Deferred, GradientPath
+from token_mean._problems import Problem
+
+
+class InReduction(GradientPath):
+    """DDP: the factor rides in DDP's own bucket all-reduce (``PREMUL_SUM`` on NCCL, an in-place scale on gloo)."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self._model = model
+
+    def attach(self, mode: Deferred) -> None:
+        # registered on every device type (Lightning registers `ddp_comm_hook` on CUDA only); one hook per model
+        self._model.register_comm_hook(mode, scaled_allreduce_hook)
+
+    def after_backward(self, factor: Callable[[], Tensor]) -> None:
+        pass  # the reduction applied it
+
+
+class UnreducedParameters:
+    """A window check (``_mode.WindowCheck``): the parameters DDP does not reduce must not train (module docstring)."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        ignored = _torch.ddp_ignored(model)
+        self._frozen = [
+            (name, parameter)
+            for name, parameter in model.module.named_parameters()
+            if not parameter.requires_grad and name not in ignored
+        ]
+
+    def __call__(self) -> list[tuple[Problem, str]]:
+        unfrozen = [name for name, parameter in self._frozen if parameter.requires_grad]
+        if not unfrozen:
+            return []
+        more = f" and {len(unfrozen) - 1} more" if len(unfrozen) > 1 else ""
+        return [(Problem.UNREDUCED_PARAMETER, f"`{unfrozen[0]}`{more} required no gradient when DDP wrapped the"
+                 " model and requires one now")]
+
+
+def stand_in_loss(module: Module) -> Tensor:
+    """A zero touching every trainable parameter, so DDP's reducer fires on this rank too."""
+    parameters = [p for p in module.parameters() if p.requires_grad]
+    return torch.stack([p.sum() * 0.0 for p in parameters]).sum()
+
+
+__all__ = ["InReduction", "UnreducedParameters", "stand_in_loss"]

@@ -1,0 +1,307 @@
+"""The record every collective of the package exchanges, and the channel that numbers and exchanges it.
+
+Every collective the package runs over the ranks that share a denominator is one SUM all-reduce of a float64 record
+of one fixed length. Its slots (:class:`Slot`) carry a window's numbers. Its marks carry what each rank raised: every
+:class:`~token_mean._problems.Problem`, and the :class:`Kind` of collective the rank is at, take two slots each: how
+many ranks set the mark, and the sum of 2**rank over those among the first :data:`NAMED_RANKS` ranks, which names
+them exactly (distinct powers of two add up exactly in float64). With the kind and a sequence number in every record,
+two ranks that reach different collectives of the package, ranks out of step, learn it from the result itself, each
+rank that reads it raising the same error. Per-rank counts cost P more slots, for a whole fit, when something asks
+for them (:class:`~token_mean.DenominatorMonitor` does).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from enum import Enum, IntEnum
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from token_mean._problems import DenominatorError, Problem
+
+NAMED_RANKS = 52
+"""Ranks below this are named in messages; float64 holds the sum of 2**rank over them exactly."""
+
+
+class Slot(IntEnum):
+    """The scalar slots of a record, summed over ranks."""
+
+    COUNT = 0  # this rank's valid items in the window: its share of N
+    LOSS_SUM = 1  # Σ of the window's loss sums (micro-batches with items)
+    AUX_SUM = 2  # Σ of the window's 'aux_loss' terms (real micro-batches)
+    REAL = 3  # the window's micro-batches that are not zero-weight fillers
+    LENGTH = 4  # the window's micro-batches, fillers included
+    LENGTH_SQUARED = 5  # its square: all ranks ran as many exactly when Σl² · P = (Σl)²
+    SEQUENCE = 6  # how many collectives this rank ran on the channel before this one
+    SEQUENCE_SQUARED = 7
+    MORE = 8  # 1: this rank holds a real batch after the window (a stream's end is agreed from it)
+    NEXT_COUNT = 9  # lookahead: the next window's count, read ahead
+    NEXT_REAL = 10  # lookahead: the next window's real micro-batches
+    REPORTED = 11  # Σ 'num_items' over the micro-batches whose 'num_items' and count disagree
+    COUNTED = 12  # Σ of the count over the same micro-batches
+    FIRST = 13  # Σ of the valid labels in the first position of a row over them (a shifted-labels hint)
+    READ = 14  # lookahead: Σ of the count read ahead over micro-batches whose batch changed before training_step
+    RECEIVED = 15  # lookahead: Σ of the count of the batch training_step received, over the same micro-batches
+    NAIVE = 16  # DenominatorMonitor under plain DDP: Σ of Lightning's loss / K, what plain DDP differentiated
+    EPOCH_LENGTH = 17  # the agreement on an epoch's length: this rank's batches (or -batches under MAX)
+    EPOCH_LENGTH_SQUARED = 18  # ... its square (or, under MAX, its batches)
+    UNSIZED = 19  # 1: this rank's training loader has no length
+    UNSURE = 20  # 1: a stream's rank could not peek past the window before its last backward (its loader refills)
+
+
+class Kind(Enum):
+    """Which collective a record belongs to, as a message names it."""
+
+    LENGTH = "the agreement on the epoch's length, when the training loaders were set up"
+    BATCHES = "the check, at the start of an epoch, that the ranks' streams hold batches"
+    FIRST_COUNTS = "the counts of an epoch's first window (lookahead)"
+    WINDOW = "the end of an accumulation window"
+    STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
+    PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
+
+
+Mark = Problem | Kind
+MARKS: tuple[Mark, ...] = (*Problem, *Kind)
+_MARK_INDEX = {mark: index for index, mark in enumerate(MARKS)}
+RANKS = len(Slot)  # then one slot per mark: how many ranks set it
+BITS = RANKS + len(MARKS)  # then one per mark: the sum of 2**rank over those ranks below NAMED_RANKS
+RECORD_SIZE = BITS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks that share one denominator, and where their collective tensors live.
+
+    ``size`` and ``rank`` count the ranks that hold different batches (the data-parallel ones); ``group`` reduces the
+    records over them (None: the default group). ``replica_group`` is set where other ranks train on this rank's very
+    batches (the tensor-parallel group of a device mesh): they must count exactly the same items.
+    ``gradients_averaged`` is True where the gradients are averaged over the ranks with no hook of the package in the
+    reduction (FSDP2's reduce-scatter): a provisional scale must then be the same on every rank.
+    """
+
+    size: int
+    rank: int
+    device: torch.device
+    group: Any | None = None
+    distributed: bool = False
+    replica_group: Any | None = None
+    gradients_averaged: bool = False
+
+    @staticmethod
+    def single(device: torch.device | None = None) -> World:
+        """One process, no collective."""
+        return World(size=1, rank=0, device=device or torch.device("cpu"))
+
+
+@dataclass(frozen=True)
+class Values:
+    """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here).
+
+    ``flags`` are host-side problems; ``device_flags`` problems decided on the device (0 or 1, summed when a problem
+    appears twice and clamped).
+    """
+
+    host: Mapping[Slot, float] = field(default_factory=dict)
+    device: Sequence[tuple[Slot, Tensor]] = ()
+    flags: frozenset[Problem] = frozenset()
+    device_flags: Sequence[tuple[Problem, Tensor]] = ()
+
+
+class Channel:
+    """The package's collectives over one :class:`World`: each a SUM all-reduce of a record, numbered in order.
+
+    ``rank_counts`` adds the per-rank block to every record of the channel (all records of a fit keep one length).
+    """
+
+    def __init__(self, world: World, rank_counts: bool = False) -> None:
+        self.world = world
+        self.rank_counts = rank_counts
+        self._sequence = 0
+
+    def record(self, kind: Kind, values: Values = Values()) -> Tensor:
+        """This rank's record for a collective of ``kind``: one host-to-device copy of the host values, and one
+        ``index_add`` of the device values (a handful of kernels, whatever the number of values)."""
+        world = self.world
+        size = RECORD_SIZE + (world.size if self.rank_counts else 0)
+        host = [0.0] * size
+        for slot, value in values.host.items():
+            host[slot] = value
+        host[Slot.SEQUENCE] = float(self._sequence)
+        host[Slot.SEQUENCE_SQUARED] = float(self._sequence**2)
+        bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
+        marks: tuple[Mark, ...] = (kind, *values.flags)
+        for mark in marks:
+            host[RANKS + _MARK_INDEX[mark]] = 1.0
+            host[BITS + _MARK_INDEX[mark]] = bit
+        index = [int(slot) for slot, _ in values.device]
+        parts = [torch.stack([value.to(torch.float64) for _, value in values.device])] if values.device else []
+        if self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
+            host[RECORD_SIZE + world.rank] = host[Slot.COUNT]
+            index += [RECORD_SIZE + world.rank for slot, _ in values.device if slot is Slot.COUNT]
+            parts += [value.reshape(1).to(torch.float64) for slot, value in values.device if slot is Slot.COUNT]
+        # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit
+        device_flags = [(problem, flag) for problem, flag in values.device_flags if problem not in values.flags]
+        if device_flags:
+            raised = torch.stack([flag for _, flag in device_flags]).to(torch.float64)
+            index += [RANKS + _MARK_INDEX[problem] for problem, _ in device_flags]
+            index += [BITS + _MARK_INDEX[problem] for problem, _ in device_flags]
+            parts += [raised, raised * bit]
+        record = torch.tensor(host, dtype=torch.float64).to(world.device, non_blocking=True)
+        if index:
+            record = record.index_add(0, torch.tensor(index, device=world.device), torch.cat(parts))
+        return record
+
+    def start(self, kind: Kind, values: Values = Values()) -> Exchange:
+        """Start the collective without waiting for it."""
+        return self._exchange(kind, values, dist.ReduceOp.SUM if dist.is_available() else None)
+
+    def reduce(self, kind: Kind, values: Values = Values(), op: Any = None) -> Reduced:
+        """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
+        return self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
+
+    def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
+        exchange = Exchange(kind, self.record(kind, values), self.world, op)
+        self._sequence += 1
+        return exchange
+
+
+class Exchange:
+    """One record's all-reduce, started at once and in flight until read.
+
+    ``wait()`` hands back the reduced record on the device without a host sync (on NCCL the current stream waits for
+    the collective; gloo completes on the host). ``read()`` copies it to the host: once per window, after the
+    window's last backward.
+    """
+
+    def __init__(self, kind: Kind, record: Tensor, world: World, op: Any) -> None:
+        self.kind = kind
+        self.record = record
+        self.world = world
+        self._work = dist.all_reduce(record, op=op, group=world.group, async_op=True) if world.distributed else None
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        return self.record
+
+    def read(self, extra: Tensor | None = None) -> Reduced:
+        """The reduced record on the host; ``extra`` local device values are appended and read in the same copy."""
+        record = self.wait()
+        if extra is None:
+            return Reduced(self.kind, record.tolist(), self.world, [])
+        values: list[float] = torch.cat([record, extra.reshape(-1).to(record.dtype)]).tolist()
+        return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :])
+
+
+@dataclass(frozen=True)
+class Reduced:
+    """A record summed over ranks, on the host (``local``: this rank's own values read with it)."""
+
+    kind: Kind
+    values: list[float]
+    world: World
+    local: list[float]
+
+    def __getitem__(self, slot: Slot) -> float:
+        return self.values[slot]
+
+    def rank_counts(self) -> tuple[float, ...] | None:
+        extra = self.values[RECORD_SIZE:]
+        return tuple(extra) if extra else None
+
+    def ranks_with(self, mark: Mark) -> tuple[int, list[int]]:
+        """How many ranks set ``mark``, and those of them below :data:`NAMED_RANKS`."""
+        index = _MARK_INDEX[mark]
+        bits = int(self.values[BITS + index])
+        return round(self.values[RANKS + index]), [rank for rank in range(NAMED_RANKS) if bits >> rank & 1]
+
+    def in_step(self) -> bool:
+        """Every rank ran the same collective, as its same-numbered collective on the channel."""
+        size = self.world.size
+        kinds_present = [kind for kind in Kind if self.ranks_with(kind)[0] > 0]
+        sequence, squares = self[Slot.SEQUENCE], self[Slot.SEQUENCE_SQUARED]
+        return kinds_present == [self.kind] and self.ranks_with(self.kind)[0] == size and squares * size == sequence**2
+
+    def lengths_agree(self) -> bool:
+        """All ranks ran windows of one length (integers, exact in float64)."""
+        total, squares = self[Slot.LENGTH], self[Slot.LENGTH_SQUARED]
+        return squares * self.world.size == total * total
+
+    def lines(self) -> list[str]:
+        """One line per thing some rank raised: which ranks (or how many) and the fix."""
+        if not self.in_step():
+            return [self._out_of_step()]
+        lines = []
+        for problem in Problem:
+            ranks, named = self.ranks_with(problem)
+            if ranks:
+                what = problem.what + (self.num_items_note() if problem.name.startswith("NUM_ITEMS") else "")
+                what += self.count_changed_note() if problem is Problem.COUNT_CHANGED else ""
+                lines.append(f"{_who(ranks, named)}: {what}. Fix: {problem.fix}")
+        if self.kind is Kind.WINDOW and not self.lengths_agree():
+            lines.append(f"{Problem.UNEVEN.what} (total {self[Slot.LENGTH]:g} micro-batches over {self.world.size}"
+                         f" ranks). Fix: {Problem.UNEVEN.fix}")
+        return lines
+
+    def _out_of_step(self) -> str:
+        where = [f"{_who(*self.ranks_with(kind))} at {kind.value}" for kind in Kind if self.ranks_with(kind)[0]]
+        if len(where) == 1:
+            where = [f"all ranks at {self.kind.value}, but not as the same collective of their run"]
+        return (f"{Problem.OUT_OF_STEP.what}: {'; '.join(where)}. The ranks' collectives no longer match, so none of"
+                f" them can be trusted. Fix: {Problem.OUT_OF_STEP.fix}")
+
+    def num_items_note(self) -> str:
+        """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
+        reported, counted, first = self[Slot.REPORTED], self[Slot.COUNTED], self[Slot.FIRST]
+        note = f" (over the micro-batches that disagree: 'num_items' sums to {reported:g}, the count to {counted:g}"
+        if first > 0 and counted - reported == first:
+            note += (
+                f"; the count is higher by exactly the {first:g} valid labels in the first position of a row: the"
+                " labels are shifted inside the model; use `count_fn=token_mean.count_shifted_labels`"
+            )
+        return note + ")"
+
+    def count_changed_note(self) -> str:
+        return (f" (over the micro-batches that changed: {self[Slot.READ]:g} valid items as the loader yielded them,"
+                f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)")
+
+    def check(self, where: str, detail: str = "") -> None:
+        """Raise the same :class:`DenominatorError` on every rank if any rank raised something (this rank's own
+        ``detail`` as a note, so that the message itself is the same everywhere)."""
+        raise_lines(self.lines(), where, detail, self.world.rank)
+
+
+def _who(ranks: int, named: list[int]) -> str:
+    if len(named) == ranks:
+        return ("rank " if ranks == 1 else "ranks ") + ", ".join(map(str, named))
+    return f"{ranks} ranks" + (f" (among them {', '.join(map(str, named))})" if named else "")
+
+
+def raise_lines(lines: list[str], where: str, detail: str, rank: int) -> None:
+    """Raise the same :class:`DenominatorError` on every rank for ``lines`` (none: return)."""
+    if not lines:
+        return
+    error = DenominatorError(f"token_mean: cannot normalize {where}:\n  " + "\n  ".join(lines))
+    if detail:
+        error.add_note(f"On rank {rank}: {detail}")
+    raise error
+
+
+__all__ = [
+    "MARKS",
+    "NAMED_RANKS",
+    "RECORD_SIZE",
+    "Channel",
+    "Exchange",
+    "Kind",
+    "Reduced",
+    "Slot",
+    "Values",
+    "World",
+    "raise_lines",
+]

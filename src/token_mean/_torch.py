@@ -1,0 +1,101 @@
+"""Every touch of torch's private internals, each with the torch (2.13) behaviour it relies on.
+
+A torch upgrade has this one file to check.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module
+
+
+@dataclass(frozen=True)
+class Reduction:
+    """How one FSDP2 parameter group reduces its gradients over data-parallel ranks."""
+
+    module: str  # the FSDP module's qualified name ("" for the root)
+    ranks: int  # the data-parallel ranks it reduces over (shard × replicate mesh sizes)
+    divide_factor: float | None  # set by `set_gradient_divide_factor`; None: the mean over `ranks`
+
+
+def fsdp_reductions(model: Module) -> Iterator[Reduction]:
+    """Each FSDP2 parameter group of ``model``: the ranks its gradients are reduced over and its divide factor.
+
+    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` lists the module's parameter groups; each has
+    ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``) and ``gradient_divide_factor``;
+    ``foreach_reduce`` divides the reduced gradient by that factor, or by shard × replicate size when it is None
+    (``_get_gradient_divide_factors``: ``ReduceOp.AVG``, or a SUM with a pre- and post-division for float16 and
+    float64), for every reduce dtype.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for name, module in model.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        for group in getattr(state, "_fsdp_param_groups", ()):
+            mesh_info = group.mesh_info
+            ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
+            yield Reduction(name, ranks, group.gradient_divide_factor)
+
+
+def fsdp_reduces_gradients(model: Module) -> list[bool]:
+    """Whether each FSDP2 parameter group of ``model`` reduces its gradients in the next backward.
+
+    Relies on: ``set_requires_gradient_sync`` (and Fabric's ``no_backward_sync``) sets ``reduce_grads`` on every
+    parameter group, and ``FSDPParamGroup.post_backward`` reads it when the backward runs.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    return [
+        bool(group.reduce_grads)
+        for module in model.modules()
+        if isinstance(module, FSDPModule)
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())
+    ]
+
+
+def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
+    """``tensors *= factor`` in one fused kernel per device and dtype (what ``clip_grad_norm_`` uses).
+
+    Relies on: ``torch._foreach_mul_(list, Tensor)`` scales each tensor in place by a 0-dim tensor on their device.
+    """
+    groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
+    for tensor in tensors:
+        groups.setdefault((tensor.device, tensor.dtype), []).append(tensor)
+    with torch.no_grad():
+        for (device, dtype), group in groups.items():
+            torch._foreach_mul_(group, factor.to(device=device, dtype=dtype))
+
+
+def norms(tensors: list[Tensor], dtype: torch.dtype | None) -> tuple[Tensor, ...]:
+    """The L2 norm of each tensor from one fused kernel (``torch._foreach_norm``, as ``clip_grad_norm_`` takes it),
+    accumulated in ``dtype`` (None: the tensors' own)."""
+    # `dtype=` only where needed: it came in torch ~2.5
+    return tuple(torch._foreach_norm(tensors, 2) if dtype is None else torch._foreach_norm(tensors, 2, dtype=dtype))
+
+
+def premul_sum(factor: Tensor) -> Any:
+    """NCCL's ``PREMUL_SUM`` reduce op with ``factor`` (a device tensor): the all-reduce multiplies as it sums.
+
+    Relies on: ``dist._make_nccl_premul_sum(factor)``; NCCL only (gloo raises "Cannot use ReduceOp.PREMUL_SUM").
+    """
+    return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
+
+
+def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
+    """The parameter names DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``).
+
+    Relies on: ``DistributedDataParallel.parameters_to_ignore``, the set of those names, read when DDP builds its
+    reducer over the parameters that require a gradient at that time.
+    """
+    return set(getattr(model, "parameters_to_ignore", ()) or ())
+
+
+__all__ = ["Reduction", "ddp_ignored", "fsdp_reduces_gradients", "fsdp_reductions", "multiply_", "norms", "premul_sum"]
