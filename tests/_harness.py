@@ -10,7 +10,7 @@ independent of the code it checks.
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Container, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -289,6 +289,51 @@ def windows_of(batches: int, accumulate: int) -> list[range]:
     return [range(start, min(start + accumulate, batches)) for start in range(0, batches, accumulate)]
 
 
+def lightning_steps(data: Sequence[Sequence[Batch | None]], accumulate: int, epochs: int = 1) -> list[list[Batch]]:
+    """Lightning's optimizer steps over per-rank batch lists: a step every K batches and at the longest rank's last
+    batch. A rank that ran out (its zero-weight fillers) and a skipped ``None`` batch add no item."""
+    batches = max(len(rank) for rank in data)
+    return [
+        [batch for rank in data for i in window if i < len(rank) and (batch := rank[i]) is not None]
+        for _ in range(epochs)
+        for window in windows_of(batches, accumulate)
+    ]
+
+
+def reference_steps(
+    steps: Sequence[Sequence[Batch]],
+    clip_norm: float | None = None,
+    clip_value: float | None = None,
+    lr: float = LR,
+    momentum: float = MOMENTUM,
+    skipped: Container[int] = (),
+) -> tuple[dict[str, Tensor], list[float]]:
+    """The unpartitioned objective in float64: per optimizer step, the mean loss over every valid token of the
+    step's micro-batches (all ranks). A step with N = 0, or whose index is in ``skipped``, changes nothing.
+
+    Returns the final parameters and each step's global count N.
+    """
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters(), lr, momentum)
+    counts: list[float] = []
+    for index, step_batches in enumerate(steps):
+        total = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step_batches)
+        counts.append(float(total))
+        if total == 0 or index in skipped:
+            continue
+        optimizer.zero_grad()
+        loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+        assert isinstance(loss, Tensor)
+        loss.backward()
+        if clip_norm is not None:
+            torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
+        if clip_value is not None:
+            torch.nn.utils.clip_grad_value_(net.parameters(), clip_value)
+        optimizer.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}, counts
+
+
 def reference(
     data: list[list[Batch]],
     schedule: Callable[[int], int],
@@ -301,37 +346,16 @@ def reference(
     lr: float = LR,
     momentum: float = MOMENTUM,
 ) -> tuple[dict[str, Tensor], list[float]]:
-    """The unpartitioned objective in float64: per optimizer step, the mean loss over every valid token of every rank.
-
-    Returns the final parameters and the global count N of each step.
-    """
-    net = TokenNet()
-    net.load_state_dict(initial_state())
-    optimizer = make_optimizer(net.parameters(), lr, momentum)
-    counts: list[float] = []
+    """:func:`reference_steps` over Lightning's windows of ``data``: K = ``schedule(epoch)``, the first ``limit``
+    batches of each epoch, at most ``max_steps`` steps, each batch through ``mask`` first."""
     # ranks that run out early take part with zero-weight batches until the longest rank is done
     batches = max(len(rank) for rank in data) if limit is None else min(limit, max(len(rank) for rank in data))
-    for epoch in range(epochs):
-        for window in windows_of(batches, schedule(epoch)):
-            if max_steps is not None and len(counts) == max_steps:
-                break
-            step_batches = [rank[i] for rank in data for i in window if i < len(rank)]
-            if mask is not None:
-                step_batches = [mask(b) for b in step_batches]
-            total = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step_batches)
-            counts.append(float(total))
-            if total == 0:
-                continue  # an empty step changes nothing
-            optimizer.zero_grad()
-            loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
-            assert isinstance(loss, Tensor)
-            loss.backward()
-            if clip_norm is not None:
-                torch.nn.utils.clip_grad_norm_(net.parameters(), clip_norm)
-            if clip_value is not None:
-                torch.nn.utils.clip_grad_value_(net.parameters(), clip_value)
-            optimizer.step()
-    return {k: v.detach() for k, v in net.state_dict().items()}, counts
+    steps = [
+        [rank[i] if mask is None else mask(rank[i]) for rank in data for i in window if i < len(rank)]
+        for epoch in range(epochs)
+        for window in windows_of(batches, schedule(epoch))
+    ][:max_steps]
+    return reference_steps(steps, clip_norm, clip_value, lr, momentum)
 
 
 def relative_error(params: dict[str, Tensor], expected: dict[str, Tensor]) -> float:

@@ -42,6 +42,7 @@ def outcomes_recorded(out: Path) -> Iterator[None]:
             result = fit_impl(trainer, *args, **kwargs)
         except BaseException as error:
             (out / f"error{rank}.txt").write_text(f"{type(error).__name__}: {error}")
+            (out / f"notes{rank}.txt").write_text("\n".join(getattr(error, "__notes__", ())))  # this rank's own
             deadline = time.monotonic() + WAIT_FOR_RANKS
             while time.monotonic() < deadline and not all(_settled(out, r) for r in range(trainer.num_devices)):
                 time.sleep(POLL)
@@ -62,6 +63,11 @@ def errors_of(out: Path, ranks: int = 2) -> list[str]:
     }
     assert not missing, f"not every rank raised: {missing}"
     return [(out / f"error{rank}.txt").read_text() for rank in range(ranks)]
+
+
+def notes_of(out: Path, ranks: int = 2) -> list[str]:
+    """Every rank's notes on its error (what that rank saw itself: ``On rank r: ...``)."""
+    return [(out / f"notes{rank}.txt").read_text() for rank in range(ranks)]
 
 
 def raises_everywhere(out: Path, run: Callable[[], object], ranks: int = 2) -> list[str]:

@@ -36,11 +36,10 @@ from _harness import (
     Recorder,
     StreamDataset,
     TokenModule,
-    TokenNet,
-    initial_state,
+    lightning_steps,
     make_batch,
-    make_optimizer,
     ragged_batches,
+    reference_steps,
     relative_error,
     token_loss,
     windows_of,
@@ -133,39 +132,6 @@ def summary_of(out: Path) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------------------------
 # the reference: plain torch, one process, float64; imports nothing from token_mean
 # ---------------------------------------------------------------------------------------------------------------
-
-
-def reference_steps(steps: list[list[Batch]]) -> tuple[dict[str, Tensor], list[float]]:
-    """Per optimizer step, the mean loss over every valid token of the step's micro-batches (all ranks).
-
-    Returns the final parameters and each step's global count N; a step with N = 0 changes nothing.
-    """
-    net = TokenNet()
-    net.load_state_dict(initial_state())
-    optimizer = make_optimizer(net.parameters())
-    counts: list[float] = []
-    for step_batches in steps:
-        total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
-        counts.append(float(total))
-        if total == 0:
-            continue
-        optimizer.zero_grad()
-        loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
-        assert isinstance(loss, Tensor)
-        loss.backward()
-        optimizer.step()
-    return {k: v.detach() for k, v in net.state_dict().items()}, counts
-
-
-def lightning_steps(data: Sequence[Sequence[Batch | None]], accumulate: int, epochs: int = 1) -> list[list[Batch]]:
-    """Lightning's optimizer steps over per-rank batch lists: a step every K batches and at the longest rank's last
-    batch. A rank that ran out (its zero-weight fillers) and a skipped ``None`` batch add no item."""
-    batches = max(len(rank) for rank in data)
-    return [
-        [batch for rank in data for i in window if i < len(rank) and (batch := rank[i]) is not None]
-        for _ in range(epochs)
-        for window in windows_of(batches, accumulate)
-    ]
 
 
 def assert_exact(out: Path, expected: dict[str, Tensor], what: str = "") -> None:

@@ -5,6 +5,7 @@
   model; a parameter unfrozen later (``BaseFinetuning``) trains on each rank's own gradient, so the replicas drift
   apart silently. The check is a host read of ``requires_grad`` per frozen parameter and window, and its problem
   travels in the window's record, so every rank raises before the first such update.
+- :class:`ShadowBackward`: ranks out of step, some at a window's end: join that window's gradient all-reduce.
 - :func:`stand_in_loss`: a zero that touches every trainable parameter, so that a rank whose ``training_step``
   returned no loss still joins DDP's backward until every rank raises at the window's end.
 """
@@ -22,6 +23,7 @@ from token_mean import _torch
 from token_mean._comm_hook import scaled_allreduce_hook
 from token_mean._deferred import Deferred, GradientPath
 from token_mean._problems import Problem
+from token_mean._record import Kind, Reduced
 
 
 class InReduction(GradientPath):
@@ -58,10 +60,24 @@ class UnreducedParameters:
                  " model and requires one now")]
 
 
+class ShadowBackward:
+    """What a rank does when it finds the ranks out of step in a blocking collective while others are at a window's
+    end: they are about to run their last backward, whose gradient all-reduce would wait for this rank until the
+    process group's timeout. This rank joins it with zeros (DDP's own uneven-inputs mechanism), so they reach the
+    window's record, which tells them the same thing; then every rank raises the same error."""
+
+    def __init__(self, model: DistributedDataParallel) -> None:
+        self._model = model
+
+    def __call__(self, reduced: Reduced) -> None:
+        if reduced.kind is not Kind.WINDOW and reduced.ranks_with(Kind.WINDOW)[0] > 0:
+            _torch.shadow_ddp_backward(self._model)
+
+
 def stand_in_loss(module: Module) -> Tensor:
     """A zero touching every trainable parameter, so DDP's reducer fires on this rank too."""
     parameters = [p for p in module.parameters() if p.requires_grad]
     return torch.stack([p.sum() * 0.0 for p in parameters]).sum()
 
 
-__all__ = ["InReduction", "UnreducedParameters", "stand_in_loss"]
+__all__ = ["InReduction", "ShadowBackward", "UnreducedParameters", "stand_in_loss"]

@@ -32,7 +32,7 @@ from token_mean._filler import filler_batch
 from token_mean._loaders import agree_on_length, gather_objects, length_is_a_hint
 from token_mean._mode import LossReduction, Mode, StepOutput, WindowCheck, WindowMode, WindowResult
 from token_mean._reader import Reader
-from token_mean._record import Channel, World
+from token_mean._record import Channel, Reduced, World
 from token_mean._window import WindowStats
 
 CHECKPOINT_KEY = "token_mean"
@@ -122,6 +122,11 @@ class TokenMeanStrategy(ParallelStrategy):
         """Host-side checks run as each window closes (none by default)."""
         return ()
 
+    def _on_out_of_step(self) -> Callable[[Reduced], None] | None:
+        """What this rank still does when a blocking collective finds the ranks out of step (nothing by default:
+        the ranks at a window's end then wait for the process group's timeout in their backward)."""
+        return None
+
     def _stand_in_loss(self) -> Tensor:
         """What the backward runs when ``training_step`` returned no loss, so this rank's collectives still run."""
         from token_mean._ddp import stand_in_loss
@@ -144,7 +149,7 @@ class TokenMeanStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         self._check_setup(trainer)
-        channel = Channel(self._world(), self._track_rank_counts)
+        channel = Channel(self._world(), self._track_rank_counts, self._on_out_of_step())
         self._mode = make_mode(self._mode_name, channel, self._settings, self._gradient_path, self._window_checks())
         _lightning.read_through(trainer, self._on_epoch, self._on_setup_data)
 

@@ -84,7 +84,8 @@ class Lookahead(WindowMode):
             entries = self.reader.entries(start, stop)
             local, host = self._announce(entries, window)
             reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(window.flags)))
-            counts = self._accept(reduced, start + len(entries), local, window, reduced.lines())
+            reduced.check(window.where, window.detail)
+            counts = self._accept(reduced, start + len(entries), local, window)
         return _Open(window, counts)
 
     def _announce(self, entries: list[Entry], window: Window) -> tuple[list[float], dict[Slot, float]]:
@@ -106,13 +107,14 @@ class Lookahead(WindowMode):
         real = float(sum(not entry.filler for entry in entries))
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
-    def _accept(self, reduced: Reduced, stop: int, local: list[float], window: Window, lines: list[str]) -> _Counts:
-        """The announced counts of the window that ends at ``stop``, raising every problem before their use."""
+    def _accept(self, reduced: Reduced, stop: int, local: list[float], window: Window) -> _Counts:
+        """The announced counts of the window that ends at ``stop`` (the record's problems raised already), raising
+        an N that cannot normalize before its use."""
         global_count = reduced[Slot.NEXT_COUNT]
         factor = scale_of(self.world_size * window.accumulate, global_count)
-        if not lines and not (math.isfinite(global_count) and math.isfinite(factor)):
+        if not (math.isfinite(global_count) and math.isfinite(factor)):
             lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
-        raise_lines(lines, window.where, window.detail, self.channel.world.rank)
+            raise_lines(lines, window.where, window.detail, self.channel.world.rank)
         return _Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
 
     @staticmethod
@@ -171,7 +173,7 @@ class Lookahead(WindowMode):
         window, counts = open_.window, open_.counts
         # the next window's counts arrived with this window's record: every problem is raised before this update
         stop = counts.stop + len(open_.next_local)
-        self._announced[counts.stop] = self._accept(result.reduced, stop, open_.next_local, window, [])
+        self._announced[counts.stop] = self._accept(result.reduced, stop, open_.next_local, window)
         self._open = None
         aux = result.reduced[Slot.AUX_SUM] / counts.real if window.has_aux and counts.real else None
         stats = self._count_skipped(result.stats(counts.global_count, self.name, aux))

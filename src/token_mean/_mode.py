@@ -107,13 +107,12 @@ class WindowMode(ABC):
         has_batch = reader.has_real_from(0, in_flight=False)
         reduced = self.channel.reduce(Kind.BATCHES, Values({Slot.MORE: float(has_batch)}))
         ranks_with_batches = round(reduced[Slot.MORE])
-        lines = reduced.lines()
-        if not lines and 0 < ranks_with_batches < self.world_size:
+        lines = []
+        if 0 < ranks_with_batches < self.world_size:
             missing = self.world_size - ranks_with_batches
             who = f"{missing} rank{'s' if missing > 1 else ''}"
             lines = [f"{who}: {Problem.NO_BATCH.what}. Fix: {Problem.NO_BATCH.fix}"]
-        detail = "" if has_batch else "its training loader yielded nothing"
-        raise_lines(lines, "the epoch's first window", detail, self.channel.world.rank)
+        reduced.check("the epoch's first window", "" if has_batch else "its training loader yielded nothing", lines)
         if ranks_with_batches == 0:
             reader.extend_to(0)  # an empty epoch on every rank
 

@@ -12,7 +12,7 @@ for them (:class:`~token_mean.DenominatorMonitor` does).
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import Enum, IntEnum
 from typing import Any
@@ -115,11 +115,16 @@ class Channel:
     """The package's collectives over one :class:`World`: each a SUM all-reduce of a record, numbered in order.
 
     ``rank_counts`` adds the per-rank block to every record of the channel (all records of a fit keep one length).
+    ``on_out_of_step`` runs when a blocking collective finds the ranks out of step, before anyone raises: what this
+    rank must still do so the others reach their own reading of the record instead of a timeout.
     """
 
-    def __init__(self, world: World, rank_counts: bool = False) -> None:
+    def __init__(
+        self, world: World, rank_counts: bool = False, on_out_of_step: Callable[[Reduced], None] | None = None
+    ) -> None:
         self.world = world
         self.rank_counts = rank_counts
+        self._on_out_of_step = on_out_of_step
         self._sequence = 0
 
     def record(self, kind: Kind, values: Values = Values()) -> Tensor:
@@ -161,7 +166,10 @@ class Channel:
 
     def reduce(self, kind: Kind, values: Values = Values(), op: Any = None) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
-        return self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
+        reduced = self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
+        if op is None and self._on_out_of_step is not None and not reduced.in_step():
+            self._on_out_of_step(reduced)
+        return reduced
 
     def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
         exchange = Exchange(kind, self.record(kind, values), self.world, op)
@@ -233,9 +241,7 @@ class Reduced:
         return squares * self.world.size == total * total
 
     def lines(self) -> list[str]:
-        """One line per thing some rank raised: which ranks (or how many) and the fix."""
-        if not self.in_step():
-            return [self._out_of_step()]
+        """One line per problem some rank raised: which ranks (or how many) and the fix (the ranks in step)."""
         lines = []
         for problem in Problem:
             ranks, named = self.ranks_with(problem)
@@ -252,8 +258,8 @@ class Reduced:
         where = [f"{_who(*self.ranks_with(kind))} at {kind.value}" for kind in Kind if self.ranks_with(kind)[0]]
         if len(where) == 1:
             where = [f"all ranks at {self.kind.value}, but not as the same collective of their run"]
-        return (f"{Problem.OUT_OF_STEP.what}: {'; '.join(where)}. The ranks' collectives no longer match, so none of"
-                f" them can be trusted. Fix: {Problem.OUT_OF_STEP.fix}")
+        return (f"token_mean: {Problem.OUT_OF_STEP.what}: {'; '.join(where)}. The ranks' collectives no longer"
+                f" match, so none of their results can be trusted. Fix: {Problem.OUT_OF_STEP.fix}")
 
     def num_items_note(self) -> str:
         """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
@@ -270,10 +276,15 @@ class Reduced:
         return (f" (over the micro-batches that changed: {self[Slot.READ]:g} valid items as the loader yielded them,"
                 f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)")
 
-    def check(self, where: str, detail: str = "") -> None:
-        """Raise the same :class:`DenominatorError` on every rank if any rank raised something (this rank's own
-        ``detail`` as a note, so that the message itself is the same everywhere)."""
-        raise_lines(self.lines(), where, detail, self.world.rank)
+    def check(self, where: str, detail: str = "", more: Sequence[str] = ()) -> None:
+        """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any rank raised a
+        problem (``more``: lines the caller judged from the record); this rank's own ``detail`` (and, out of step,
+        where it was) is a note, so that the message itself is the same everywhere."""
+        if not self.in_step():
+            error = DenominatorError(self._out_of_step())
+            error.add_note(f"On rank {self.world.rank}: at {where}" + (f"; {detail}" if detail else ""))
+            raise error
+        raise_lines([*self.lines(), *more], where, detail, self.world.rank)
 
 
 def _who(ranks: int, named: list[int]) -> str:

@@ -89,6 +89,18 @@ def premul_sum(factor: Tensor) -> Any:
     return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
 
 
+def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Join, with zero gradients, the gradient all-reduces of one DDP backward that the other ranks are running.
+
+    Relies on: ``DistributedDataParallel._match_all_reduce_for_bwd_pass``, what DDP's uneven-inputs ``join()`` runs
+    for a rank that has run out: one all-reduce per bucket, of zeros, through the registered communication hook, in
+    the reducer's bucket order; then, with ``find_unused_parameters``, ``_match_unused_params_allreduce``.
+    """
+    model._match_all_reduce_for_bwd_pass()  # type: ignore[no-untyped-call]
+    if model.find_unused_parameters:
+        model._match_unused_params_allreduce()  # type: ignore[no-untyped-call]
+
+
 def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     """The parameter names DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``).
 
@@ -98,4 +110,13 @@ def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     return set(getattr(model, "parameters_to_ignore", ()) or ())
 
 
-__all__ = ["Reduction", "ddp_ignored", "fsdp_reduces_gradients", "fsdp_reductions", "multiply_", "norms", "premul_sum"]
+__all__ = [
+    "Reduction",
+    "ddp_ignored",
+    "fsdp_reduces_gradients",
+    "fsdp_reductions",
+    "multiply_",
+    "norms",
+    "premul_sum",
+    "shadow_ddp_backward",
+]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -11,11 +11,11 @@ from typing_extensions import override
 
 from token_mean import _lightning
 from token_mean._counting import CountFn
-from token_mean._ddp import InReduction, UnreducedParameters
+from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._deferred import GradientPath
 from token_mean._hooks import TokenMeanStrategy
 from token_mean._mode import LossReduction, Mode, WindowCheck
-from token_mean._record import World
+from token_mean._record import Reduced, World
 
 
 class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
@@ -132,6 +132,10 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def _window_checks(self) -> Sequence[WindowCheck]:
         return [UnreducedParameters(self._ddp_model())]
+
+    @override
+    def _on_out_of_step(self) -> Callable[[Reduced], None]:
+        return ShadowBackward(self._ddp_model())
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

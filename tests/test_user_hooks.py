@@ -1,0 +1,246 @@
+"""User code that Lightning runs around the strategy, changing what a window is: exact, or the same error everywhere.
+
+Each setup is one Lightning accepts and a user writes: an ``optimizer_step`` override that skips an update, a transfer
+hook that changes the labels, a parameter unfrozen after DDP wrapped the model, a rank whose epoch ends early.
+Supported setups are compared with the plain-torch float64 reference (``_harness.reference_steps``) next to a plain
+``DDPStrategy`` control that misses; refused ones must raise the same clear error on every rank, before any update
+they would get wrong.
+"""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _harness import (
+    EXACT,
+    FORK,
+    MODES,
+    Batch,
+    TokenModule,
+    fit,
+    lightning_steps,
+    ragged_batches,
+    reference_steps,
+    relative_error,
+)
+from _ranks import notes_of, raises_everywhere
+from lightning.pytorch.callbacks import BaseFinetuning, Callback
+from lightning.pytorch.strategies import DDPStrategy
+
+from token_mean import TokenMeanDDPStrategy
+
+TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
+MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
+
+
+def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
+    if mode == "plain":
+        return DDPStrategy(**FORK, timeout=TIMEOUT)
+    return TokenMeanDDPStrategy(mode=mode, **FORK, timeout=TIMEOUT, **kwargs)  # type: ignore[arg-type]
+
+
+def nonempty_data(batches: int, seed: int) -> list[list[Batch]]:
+    """Ragged per-rank batches, every one with a valid target (a mean loss is never 0/0)."""
+    data = ragged_batches(2, batches, seed=seed)
+    for rank in data:
+        for batch in rank:
+            batch["labels"].view(-1)[0] = 1
+    return data
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# an optimizer_step override that skips an update: Lightning's docs ("the closure must still be called")
+# ---------------------------------------------------------------------------------------------------------------
+
+ACCUMULATE, SKIPPED = 2, 1  # 6 batches: windows [0, 1] [2, 3] [4, 5]; the middle one is not applied
+
+
+class SkipsAStep(TokenModule):
+    def optimizer_step(self, epoch: int, batch_idx: int, optimizer: Any, optimizer_closure: Any = None) -> None:
+        if batch_idx // ACCUMULATE == SKIPPED:
+            optimizer_closure()  # the window trains, its gradient is dropped at the next window's first batch
+        else:
+            optimizer.step(closure=optimizer_closure)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_optimizer_step_override_that_skips_an_update(tmp_path: Path, mode: str) -> None:
+    """The window after the skipped one is normalized by its own N (it once got the skipped window's N)."""
+    data = nonempty_data(6, seed=171)
+    expected, counts = reference_steps(lightning_steps(data, ACCUMULATE), skipped={SKIPPED})
+    params, windows = fit(SkipsAStep(data), strategy_for(mode), tmp_path, accumulate_grad_batches=ACCUMULATE)
+    error = relative_error(params, expected)
+    if mode == "plain":
+        assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
+        return
+    assert error < EXACT, f"relative parameter error {error:.3e}"
+    assert [window["global_count"] for window in windows] == counts  # the skipped window ended too
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# labels changed between the loader and training_step, in a transfer hook
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def mask_class_zero(batch: Batch) -> Batch:
+    """What a transfer hook may do: mask more targets (here every target of class 0)."""
+    labels = batch["labels"]
+    return {**batch, "labels": labels.masked_fill(labels == 0, -100)}
+
+
+def truncate(batch: Batch) -> Batch:
+    """... or cut the sequences short."""
+    return {"x": batch["x"][:, :-1], "labels": batch["labels"][:, :-1]}
+
+
+HOOK_EDITS = {"mask": mask_class_zero, "truncate": truncate}
+
+
+class EditsInHook(TokenModule):
+    def __init__(self, data: list[list[Batch]], hook: str, edit: str) -> None:
+        super().__init__(data)
+        self.hook, self.edit = hook, edit
+
+    def on_before_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return HOOK_EDITS[self.edit](batch) if self.hook == "before" else batch
+
+    def on_after_batch_transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        return HOOK_EDITS[self.edit](batch) if self.hook == "after" else batch
+
+
+def step_of_first_error(message: str) -> int:
+    return int(message.split("optimizer step ", 1)[1].split(" ", 1)[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("edit", list(HOOK_EDITS))
+@pytest.mark.parametrize("hook", ["before", "after"])
+def test_labels_changed_in_a_transfer_hook_refused_in_lookahead(tmp_path: Path, hook: str, edit: str) -> None:
+    """Lookahead counted the batches as the loader yielded them: every rank raises at the first window, before its
+    update, naming the hooks and deferred mode (it once trained two wrong updates before a count went bad)."""
+    data = nonempty_data(6, seed=172)
+    module = EditsInHook(data, hook, edit)
+    errors = raises_everywhere(
+        tmp_path, lambda: fit(module, strategy_for("lookahead"), tmp_path / "run", accumulate_grad_batches=2)
+    )
+    assert len(set(errors)) == 1, errors
+    message = errors[0]
+    assert message.startswith("DenominatorError: ") and step_of_first_error(message) == 1, message
+    assert "on_after_batch_transfer" in message and "mode='deferred'" in message, message
+    assert "valid items as the loader yielded them" in message, message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("edit", list(HOOK_EDITS))
+@pytest.mark.parametrize("mode", ["deferred", "plain"])
+def test_labels_changed_in_a_transfer_hook_exact_in_deferred(tmp_path: Path, mode: str, edit: str) -> None:
+    """Deferred counts the batch `training_step` receives: the objective is the edited batches' token mean."""
+    data = nonempty_data(6, seed=172)
+    edited = [[HOOK_EDITS[edit](batch) for batch in rank] for rank in data]
+    expected, counts = reference_steps(lightning_steps(edited, 2))
+    params, windows = fit(EditsInHook(data, "after", edit), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    error = relative_error(params, expected)
+    if mode == "plain":
+        assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
+        return
+    assert error < EXACT, f"relative parameter error {error:.3e}"
+    assert [window["global_count"] for window in windows] == counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a parameter unfrozen after DDP wrapped the model (BaseFinetuning; Lightning issue #20340)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class UnfreezeHidden(BaseFinetuning):
+    """Freezes `net.hidden` in `setup` (before DDP wraps the model), unfreezes it at epoch 1."""
+
+    def freeze_before_training(self, pl_module: pl.LightningModule) -> None:
+        self.freeze(pl_module.net.hidden)
+
+    def finetune_function(self, pl_module: pl.LightningModule, current_epoch: int, optimizer: Any) -> None:
+        if current_epoch == 1:
+            self.unfreeze_and_add_param_group(pl_module.net.hidden, optimizer, train_bn=True)
+
+
+class EveryRanksParameters(Callback):
+    def __init__(self, out: Path) -> None:
+        self.out = out
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        state = {name: value.detach().clone() for name, value in pl_module.state_dict().items()}
+        torch.save(state, self.out / f"params-rank{trainer.global_rank}.pt")
+
+
+def replica_drift(out: Path) -> float:
+    ranks = [torch.load(out / f"params-rank{rank}.pt", weights_only=True) for rank in (0, 1)]
+    return max(float((ranks[0][k] - ranks[1][k]).norm() / ranks[0][k].norm()) for k in ranks[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_parameter_unfrozen_after_ddp_wrapped_the_model(tmp_path: Path, mode: str) -> None:
+    """DDP reduces only what required a gradient when it wrapped the model: every rank raises at the first window
+    of epoch 1, before the first update it would have left unsynchronized, naming the parameter and the fix."""
+    data = nonempty_data(4, seed=173)
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
+        TokenModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2,
+        callbacks=[UnfreezeHidden()],
+    ))
+    assert len(set(errors)) == 1, errors
+    message = errors[0]
+    assert message.startswith("DenominatorError: ") and "(epoch 1, batches 0..1)" in message, message
+    assert "DDP never all-reduces its gradient" in message and "leaving parameters out" in message, message
+    for rank, notes in enumerate(notes_of(tmp_path / "outcomes")):
+        assert f"On rank {rank}: `net.hidden.weight` and 1 more required no gradient" in notes, notes
+
+
+@pytest.mark.distributed
+def test_parameter_unfrozen_after_ddp_wrapped_the_model_drifts_under_plain_ddp(tmp_path: Path) -> None:
+    """The control: plain DDP trains the unfrozen parameters on each rank's own gradient; the replicas drift."""
+    data = nonempty_data(4, seed=173)
+    fit(TokenModule(data), strategy_for("plain"), tmp_path, accumulate_grad_batches=2, max_epochs=3,
+        callbacks=[UnfreezeHidden(), EveryRanksParameters(tmp_path)])
+    assert replica_drift(tmp_path) > 1e-3
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# one rank ends its epoch early: `on_train_batch_start` returns -1 on rank 0 only
+#
+# Lightning ends that rank's epoch, and every later collective of the two ranks is out of step. Where a collective of
+# the package meets another collective of the package (here: rank 0 starts its next epoch with the check that the
+# streams hold batches, while rank 1 ends the window it was in), both read the same record, which names where each
+# rank is. Rank 0 joins rank 1's last backward with zeros first, so that rank 1 reaches its record: every rank raises
+# at once. Anything else that meets a collective of Lightning's or DDP's waits for the process group's timeout.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LeavesEarly(TokenModule):
+    """Rank 0 ends epoch 0 at batch `LEAVE_AT` (the last of window [2, 3]), which it does not train."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
+        return -1 if self.global_rank == 0 and self.current_epoch == 0 and batch_idx == 3 else None
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_rank_that_ends_its_epoch_early(tmp_path: Path, mode: str) -> None:
+    data = nonempty_data(6, seed=174)
+    module = LeavesEarly(data, iterable=True)
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
+        module, strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2
+    ))
+    assert len(set(errors)) == 1, errors
+    message = errors[0]
+    assert message.startswith("DenominatorError: ") and "the ranks are out of step" in message, message
+    assert "rank 0 at the check, at the start of an epoch, that the ranks' streams hold batches" in message, message
+    assert "rank 1 at the end of an accumulation window" in message, message
+    assert "`on_train_batch_start` returning -1 on one rank" in message, message
+
