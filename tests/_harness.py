@@ -307,9 +307,12 @@ def reference_steps(
     lr: float = LR,
     momentum: float = MOMENTUM,
     skipped: Container[int] = (),
+    loss_sum: Callable[[nn.Module, Batch], Tensor] = lambda net, batch: token_loss(net, batch, "sum"),
+    count: Callable[[Batch], int] = lambda batch: int((batch["labels"] != IGNORE_INDEX).sum()),
 ) -> tuple[dict[str, Tensor], list[float]]:
     """The unpartitioned objective in float64: per optimizer step, the mean loss over every valid token of the
-    step's micro-batches (all ranks). A step with N = 0, or whose index is in ``skipped``, changes nothing.
+    step's micro-batches (all ranks): Σ ``loss_sum`` / Σ ``count``. A step with N = 0, or whose index is in
+    ``skipped``, changes nothing.
 
     Returns the final parameters and each step's global count N.
     """
@@ -318,12 +321,12 @@ def reference_steps(
     optimizer = make_optimizer(net.parameters(), lr, momentum)
     counts: list[float] = []
     for index, step_batches in enumerate(steps):
-        total = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in step_batches)
+        total = sum(count(b) for b in step_batches)
         counts.append(float(total))
         if total == 0 or index in skipped:
             continue
         optimizer.zero_grad()
-        loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+        loss = sum(loss_sum(net, b) for b in step_batches) / total
         assert isinstance(loss, Tensor)
         loss.backward()
         if clip_norm is not None:

@@ -138,6 +138,20 @@ def test_iterable_dataset(tmp_path: Path, mode: str) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_stream_shorter_than_one_window(tmp_path: Path, mode: str) -> None:
+    """Two batches per rank, K = 3, two epochs: each epoch is one window padded with a filler, and it ends there (a
+    stream's end is agreed at its first window's end too; it once ran on with empty windows)."""
+    data = ragged_batches(2, 2, seed=3)
+    params, windows = fit(TokenModule(data, iterable=True), strategy_for(mode), tmp_path, accumulate_grad_batches=3,
+                          max_epochs=2)
+    expected, counts = reference(data, constant(3), epochs=2)
+    assert relative_error(params, expected) < EXACT
+    assert [w["global_count"] for w in windows] == counts and [w["window_length"] for w in windows] == [3, 3]
+
+
+@pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_accumulation_schedule(tmp_path: Path, mode: str) -> None:
     """K changes per epoch through GradientAccumulationScheduler."""

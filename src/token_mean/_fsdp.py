@@ -2,6 +2,7 @@
 
 - :class:`AfterReduction`: deferred mode's factor, after FSDP2's reduce-scatter averaged the gradients.
 - :func:`check_reduction`: both modes rely on FSDP2 dividing every gradient by the data-parallel size P.
+- :func:`mesh_world`: the ranks of a ``("data_parallel", "tensor_parallel")`` mesh that share a denominator.
 - :class:`Outputs`: a rank whose ``training_step`` returns no loss must still run FSDP2's backward, or the other ranks
   wait in their reduce-scatter until the process group's timeout. FSDP2's backward hooks hang on the forward's
   outputs, so the outermost sharded modules' outputs of the step are kept (references, no copy), and a zero made of
@@ -15,12 +16,14 @@ from contextlib import contextmanager
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.utils._pytree import tree_flatten
 
 from token_mean import _torch
 from token_mean._deferred import GradientPath
+from token_mean._record import World
 
 
 class AfterReduction(GradientPath):
@@ -83,8 +86,7 @@ class Outputs:
         for module in model.modules():
             if _sharded(module) and not any(module in set(outer.modules()) for outer in outermost):
                 outermost.append(module)
-        for module in outermost:
-            module.register_forward_hook(self._keep)
+        self._handles = [module.register_forward_hook(self._keep) for module in outermost]
 
     def _keep(self, module: Module, args: Any, output: Any) -> None:
         if self._active:
@@ -99,6 +101,12 @@ class Outputs:
         finally:
             self._active = False
 
+    def remove(self) -> None:
+        """Take the hooks off the model (the fit is over)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
     def stand_in_loss(self) -> Tensor | None:
         """A zero whose backward runs every sharded module's backward of the step (None: no output to use)."""
         leaves = [leaf for output in self._kept for leaf in tree_flatten(output)[0]]
@@ -108,4 +116,20 @@ class Outputs:
         return torch.stack([tensor.sum() * 0.0 for tensor in tensors]).sum()
 
 
-__all__ = ["AfterReduction", "Outputs", "check_reduction"]
+def mesh_world(mesh: Any, device: torch.device) -> World:
+    """The data-parallel ranks of a ``("data_parallel", "tensor_parallel")`` device mesh share the denominator; the
+    tensor-parallel ones hold the same batches and must count alike."""
+    data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
+    distributed = dist.is_available() and dist.is_initialized()
+    return World(
+        size=data_parallel.size(),
+        rank=data_parallel.get_local_rank(),
+        device=device,
+        group=data_parallel.get_group() if distributed else None,
+        distributed=distributed and data_parallel.size() > 1,
+        replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
+        gradients_averaged=True,
+    )
+
+
+__all__ = ["AfterReduction", "Outputs", "check_reduction", "mesh_world"]

@@ -195,11 +195,42 @@ class _ReadCombinedLoader(CombinedLoader):
         return reader.consumed_state() if reader.stateful else []  # type: ignore[no-any-return]
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Lightning Fabric
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def fabric_modules(model: Any) -> tuple[Any, Any] | None:
+    """``(forward module, original module)`` of what ``fabric.setup`` returned (None for anything else).
+
+    Relies on: ``fabric.setup`` returns a ``_FabricModule`` (inside a ``torch.compile`` wrapper when the model was
+    compiled first) whose ``_forward_module`` is what the strategy made of the model (``DistributedDataParallel``, the
+    FSDP2-sharded module itself) and whose ``_original_module`` is the user's module; ``_unwrap_compiled`` removes the
+    compile wrapper.
+    """
+    from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
+
+    wrapper, _ = _unwrap_compiled(model)
+    if not isinstance(wrapper, _FabricModule):
+        return None
+    forward, _ = _unwrap_compiled(wrapper._forward_module)
+    return forward, wrapper._original_module
+
+
+def fabric_strategy_of(model: Any) -> Any:
+    """The strategy that set up ``model`` (a ``_FabricModule``'s ``_strategy``)."""
+    from lightning.fabric.wrappers import _unwrap_compiled
+
+    return getattr(_unwrap_compiled(model)[0], "_strategy", None)
+
+
 __all__ = [
     "batch_position",
     "checkpoint_loader_states",
     "epoch_length",
     "epoch_position",
+    "fabric_modules",
+    "fabric_strategy_of",
     "has_loader_states_to_load",
     "read_through",
     "replace_checkpoint_loader_states",

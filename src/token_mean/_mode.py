@@ -214,8 +214,8 @@ class WindowMode(ABC):
         if not self.settings.pad_uneven_ranks and 0 < more < self.world_size:
             lines = [f"{Problem.UNEVEN.what}: the ranks' streams ended in different windows. Fix: {Problem.UNEVEN.fix}"]
             raise_lines(lines, window.where, "", self.channel.world.rank)
-        if more > 0:
-            reader.extend_to(window.start + window.length + window.accumulate)
+        end = window.start + window.length
+        reader.extend_to(end + window.accumulate if more > 0 else end)
         return reader.length
 
 

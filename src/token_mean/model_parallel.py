@@ -5,8 +5,6 @@ from __future__ import annotations
 from typing import Any
 
 import lightning.pytorch as pl
-import torch
-import torch.distributed as dist
 from lightning.pytorch.strategies import ModelParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import rank_zero_warn
@@ -16,7 +14,7 @@ from typing_extensions import override
 
 from token_mean import _lightning
 from token_mean._deferred import GradientPath
-from token_mean._fsdp import AfterReduction, Outputs, check_reduction
+from token_mean._fsdp import AfterReduction, Outputs, check_reduction, mesh_world
 from token_mean._hooks import TokenMeanStrategy
 from token_mean._record import World
 
@@ -84,6 +82,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
     """
 
     strategy_name = "model_parallel_token_mean"
+    _outputs: Outputs | None = None  # of the sharded modules during a training step, from `setup` on
 
     @classmethod
     @override
@@ -118,17 +117,23 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        outputs = getattr(self, "_outputs", None)
-        if outputs is None:
+        if self._outputs is None:
             return super().training_step(*args, **kwargs)
-        with outputs.kept():
+        with self._outputs.kept():
             return super().training_step(*args, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        if self._outputs is not None:
+            self._outputs.remove()
+            self._outputs = None
+        super().teardown()
 
     @override
     def _stand_in_loss(self) -> Tensor:
         # FSDP2's backward hooks hang on the forward's outputs: a zero made of them runs every collective of the
         # backward, so this rank stays in step until the window's record makes every rank raise
-        loss = self._outputs.stand_in_loss()
+        loss = None if self._outputs is None else self._outputs.stand_in_loss()
         if loss is None:
             raise ValueError(
                 f"token_mean: `training_step` returned no loss (None, or a dict without 'loss') on rank"
@@ -148,22 +153,6 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
         if own is not None:
             _lightning.replace_checkpoint_loader_states(checkpoint, own)
         return checkpoint
-
-
-def mesh_world(mesh: Any, device: torch.device) -> World:
-    """The data-parallel ranks of a ``("data_parallel", "tensor_parallel")`` device mesh share the denominator; the
-    tensor-parallel ones hold the same batches and must count alike."""
-    data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
-    distributed = dist.is_available() and dist.is_initialized()
-    return World(
-        size=data_parallel.size(),
-        rank=data_parallel.get_local_rank(),
-        device=device,
-        group=data_parallel.get_group() if distributed else None,
-        distributed=distributed and data_parallel.size() > 1,
-        replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
-        gradients_averaged=True,
-    )
 
 
 TokenMeanModelParallelStrategy.register_strategies(StrategyRegistry)

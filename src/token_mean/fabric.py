@@ -1,0 +1,464 @@
+"""``TokenMeanAccumulator``: the exact token mean in a hand-written Lightning Fabric loop (LitGPT's shape).
+
+A Fabric loop that accumulates ``fabric.backward(loss / K)`` over K micro-batches optimizes a mean of means, as the
+Trainer does. The accumulator drives the same modes, reader and window record as the Trainer strategies; the loop
+changes in five lines:
+
+.. code-block:: python
+
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, count_fn=count_shifted_labels)
+    for batch in accumulator.batches(train_dataloader):       # every rank yields as many (fillers: is_filler)
+        with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
+            logits = model(batch["input_ids"])
+            loss = chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:])
+            accumulator.backward(loss)                          # instead of fabric.backward(loss / K)
+        if not accumulator.accumulating:
+            stats = accumulator.finish()                        # DenominatorError on every rank; gradient final
+            if not stats.skipped:                               # N == 0 on every rank: no update
+                fabric.clip_gradients(model, optimizer, max_norm=1.0)
+                optimizer.step()
+            optimizer.zero_grad()
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.utils.data import IterableDataset
+
+from token_mean import _lightning, _torch
+from token_mean._core import checked_settings, make_mode
+from token_mean._counting import CountFn
+from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
+from token_mean._deferred import GradientPath
+from token_mean._exit import destroy_process_group_at_exit
+from token_mean._filler import filler_batch
+from token_mean._fingerprint import global_norm, grad_norm
+from token_mean._fsdp import AfterReduction, check_reduction, mesh_world
+from token_mean._loaders import agree_on_length
+from token_mean._mode import LossReduction, Mode, StepOutput, WindowCheck, WindowMode
+from token_mean._observe import MonitorSettings, Observer, OnDivergence
+from token_mean._reader import Reader
+from token_mean._record import Channel, World
+from token_mean._window import WindowStats
+
+
+@dataclass(frozen=True)
+class _Layout:
+    """What the accumulator needs of the Fabric strategy: the ranks, deferred's gradient path, the checks."""
+
+    world: World
+    gradients: GradientPath
+    sync_flags: Any  # callable: the gradient-sync flags the next backward will use (empty: no sync to check)
+    checks: Sequence[WindowCheck] = ()
+    on_out_of_step: Any = None
+
+
+@dataclass
+class _InFlight:
+    """The micro-batch the loop is training."""
+
+    position: int
+    last: bool  # its window's last: the gradient is reduced in its backward
+    filler: bool
+    batch: Any
+    backward_done: bool = False
+    finished: bool = False
+
+
+class TokenMeanAccumulator:
+    r"""Accumulate K micro-batches per rank into one exact token-mean gradient, in a Lightning Fabric loop.
+
+    Each window of K micro-batches per rank (the last window of a pass may be short) is normalized by its own N, the
+    valid items over all ranks and micro-batches of the window, exactly as the Trainer strategies do: the same modes,
+    counts, checks and errors (see :class:`~token_mean.TokenMeanDDPStrategy`), one collective per window and no host
+    read between the window's first forward and its last backward. Every rank yields as many batches: a rank whose
+    loader runs out repeats its last batch at weight zero (:attr:`is_filler`).
+
+    Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
+    (FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh, the count reduced over
+    the data-parallel ranks and checked to agree over the tensor-parallel ones). FSDP1 (``FSDPStrategy``) and
+    DeepSpeed are refused: FSDP1 needs a GPU this package is not tested on, and Fabric's ``no_backward_sync`` does
+    nothing under DeepSpeed.
+
+    Args:
+        fabric: the launched ``Fabric``.
+        model: what ``fabric.setup`` (or ``setup_module``) returned.
+        accumulate: K, the micro-batches per rank and window.
+        count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`;
+            ``loss_reduction`` describes the loss passed to :meth:`backward`.
+        monitor: a :class:`FabricMonitor` that logs every window (``fabric.log_dict``) and writes or compares a trace.
+
+    Raises:
+        ValueError: for a bad setting, a model that ``fabric.setup`` did not return, or an unsupported strategy.
+
+    Example:
+        >>> from lightning.fabric import Fabric
+        >>> fabric = Fabric(accelerator="cpu", devices=1)
+        >>> model = fabric.setup(torch.nn.Linear(4, 3))
+        >>> accumulator = TokenMeanAccumulator(fabric, model, accumulate=2)
+        >>> batches = [{"x": torch.randn(2, 4), "labels": torch.tensor([0, -100])} for _ in range(3)]
+        >>> for batch in accumulator.batches(batches):
+        ...     loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], ignore_index=-100)
+        ...     accumulator.backward(loss)
+        ...     if not accumulator.accumulating:
+        ...         stats = accumulator.finish()
+        >>> stats.global_count, stats.window_length  # the short last window: one micro-batch, one valid label
+        (1.0, 1)
+    """
+
+    def __init__(
+        self,
+        fabric: Any,
+        model: Any,
+        accumulate: int,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
+        monitor: FabricMonitor | None = None,
+    ) -> None:
+        self._settings, mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
+        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+            raise ValueError(f"`accumulate` must be a positive int (micro-batches per window), got {accumulate!r}.")
+        modules = _lightning.fabric_modules(model)
+        if modules is None or _lightning.fabric_strategy_of(model) is not fabric.strategy:
+            raise ValueError(
+                f"`model` must be what `fabric.setup(model)` (or `fabric.setup_module`) returned for this Fabric, got"
+                f" {type(model).__name__}: the accumulator hooks into the module the strategy wrapped."
+            )
+        self._fabric = fabric
+        self._model = model
+        self._accumulate = accumulate
+        layout = _layout(fabric, *modules)
+        self._sync_flags = layout.sync_flags
+        channel = Channel(layout.world, rank_counts=monitor is not None, on_out_of_step=layout.on_out_of_step)
+        self._mode: WindowMode = make_mode(mode_name, channel, self._settings, lambda: layout.gradients, layout.checks)
+        if layout.world.distributed:
+            destroy_process_group_at_exit()
+        self._monitor = monitor
+        self._in_flight: _InFlight | None = None
+        self._iterating = False
+        self._passes = 0
+        self._windows = 0  # windows finished over all passes
+        self._resume_position = 0  # batches of the pass to skip, from a checkpoint
+        self._last_window: WindowStats | None = None
+
+    # -------------------------------------------------------------------------------------------------------------
+    # what the loop reads
+    # -------------------------------------------------------------------------------------------------------------
+
+    @property
+    def accumulating(self) -> bool:
+        """True while the batch in flight is not its window's last (its gradient must not be reduced yet)."""
+        return not self._flight("`accumulating`").last
+
+    @property
+    def is_filler(self) -> bool:
+        """True while the batch in flight is a zero-weight repeat of an exhausted rank."""
+        return self._flight("`is_filler`").filler
+
+    @property
+    def last_window(self) -> WindowStats | None:
+        """What the last finished window used (None before the first)."""
+        return self._last_window
+
+    @property
+    def skipped_steps(self) -> int:
+        """Windows that had no valid item on any rank (``finish().skipped``)."""
+        return self._mode.skipped_steps
+
+    def _flight(self, what: str) -> _InFlight:
+        if self._in_flight is None:
+            raise RuntimeError(f"{what} is only defined for a batch that `accumulator.batches(...)` yielded.")
+        return self._in_flight
+
+    # -------------------------------------------------------------------------------------------------------------
+    # the loop
+    # -------------------------------------------------------------------------------------------------------------
+
+    def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches).
+
+        Every rank yields as many batches (shorter ranks repeat their last batch at weight zero). A sized iterable
+        costs one collective at the start of the pass (the ranks agree on its length); a stream's end is agreed
+        window by window.
+        """
+        if self._iterating:
+            raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
+        return self._pass(iterable)
+
+    def _pass(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        self._iterating = True
+        try:
+            reader = self._start_pass(iterable)
+            position = reader.position
+            while True:
+                self._check_previous_batch()
+                try:
+                    item = reader.next_item()
+                except StopIteration:
+                    break
+                last = (position + 1) % self._accumulate == 0 or position + 1 >= reader.length
+                step = f"optimizer step {self._windows + 1} (pass {self._passes}"
+                filler = self._mode.begin(position, last, self._accumulate, step)
+                self._in_flight = _InFlight(position, last, filler, item[0])
+                with filler_batch(filler):
+                    yield item[0]
+                position += 1
+        finally:
+            self._iterating = False
+            self._in_flight = None
+            if self._monitor is not None:
+                self._monitor.stepped(self._model)
+
+    def _start_pass(self, iterable: Iterable[Any]) -> Reader:
+        self._passes += 1
+        start, self._resume_position = self._resume_position, 0
+        local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
+        length = agree_on_length(self._mode.channel, local, self._settings.pad_uneven_ranks)
+        iterator = iter(iterable)
+        skipped = _skip(iterator, start)  # resuming mid-pass: the batches the checkpoint's windows trained
+        reader = Reader(lambda: (next(iterator),), None, lambda: start)
+        if skipped is not None:  # this rank had run out: its last batch is repeated at weight zero
+            reader.adopt([skipped])
+        reader.start_epoch(length, resumed_exhausted=skipped is not None)
+        self._mode.start_epoch(reader)
+        if self._monitor is not None:
+            self._monitor.start(self._fabric)
+        return reader
+
+    def _check_previous_batch(self) -> None:
+        """The loop asks for the next batch: the one before must have finished its backward (and its window)."""
+        flight = self._in_flight
+        if flight is None:
+            return
+        if not flight.backward_done:
+            raise RuntimeError(
+                f"`accumulator.backward(loss)` was not called for batch {flight.position}: every batch the"
+                " accumulator yields must run its backward (a filler's too), or the ranks fall out of step."
+            )
+        if flight.last and not flight.finished:
+            raise RuntimeError(
+                f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
+                f" {flight.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
+            )
+        if flight.last and self._monitor is not None:
+            self._monitor.stepped(self._model)
+
+    def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
+                 **kwargs: Any) -> None:
+        """Back-propagate the micro-batch's ``loss`` (its mean over its valid items, or their sum), scaled for the
+        window's exact token mean, through ``fabric.backward`` (``args`` and ``kwargs`` go there too).
+
+        ``aux_loss``: an auxiliary term averaged over the window's real micro-batches on all ranks (lookahead only);
+        ``num_items``: this micro-batch's count as the model computed it (checked against ``count_fn``; deferred
+        mode normalizes by it).
+        """
+        flight = self._flight("`accumulator.backward(loss)`")
+        if flight.backward_done:
+            raise RuntimeError(
+                f"`accumulator.backward(loss)` was called twice for batch {flight.position}: its items would count"
+                " twice. Call it once per batch."
+            )
+        self._check_sync(flight)
+        self._mode.after_forward(flight.batch, StepOutput(loss, aux_loss, num_items, loss))
+        scaled = self._mode.scale(loss, 1.0, aux_loss)
+        self._fabric.backward(scaled, *args, model=self._model, **kwargs)
+        flight.backward_done = True
+        if not flight.last:
+            self._mode.after_backward()
+
+    def _check_sync(self, flight: _InFlight) -> None:
+        """The model reduces the gradient in the window's last backward, and only there (host-side flags)."""
+        flags = set(self._sync_flags())
+        if flags and flags != {flight.last}:
+            wrong = "would not reduce the window's gradient" if flight.last else "would reduce it mid-window"
+            raise RuntimeError(
+                f"The gradient sync of batch {flight.position} disagrees with the window: its backward {wrong}. Wrap"
+                " each micro-batch's forward and backward in `with fabric.no_backward_sync(model,"
+                " enabled=accumulator.accumulating):`."
+            )
+
+    def finish(self) -> WindowStats:
+        """After the window's last backward: its stats (the window's one host read).
+
+        The gradient is then the window's exact token mean (before clipping). Every rank raises the same
+        :class:`~token_mean.DenominatorError` here if any rank had a problem (a bad count, a NaN loss, ranks out of
+        step). A window with N = 0 on every rank has ``skipped`` True: do not step the optimizer for it.
+        """
+        flight = self._flight("`accumulator.finish()`")
+        if not flight.last or not flight.backward_done or flight.finished:
+            state = ("is called twice" if flight.finished else "comes before the window's last backward")
+            raise RuntimeError(
+                f"`accumulator.finish()` {state} (batch {flight.position}): call it once per window, after"
+                " `accumulator.backward(loss)` of the batch where `accumulator.accumulating` is False."
+            )
+        ended = self._mode.after_backward()
+        assert ended is not None  # the window's last backward ran
+        flight.finished = True
+        self._windows += 1
+        self._last_window = ended.stats
+        if self._monitor is not None:
+            self._monitor.finished(self._model, ended.stats)
+        return ended.stats
+
+    # -------------------------------------------------------------------------------------------------------------
+    # checkpoints
+    # -------------------------------------------------------------------------------------------------------------
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
+
+        Raises:
+            RuntimeError: in the middle of a window (Fabric saves no partial gradient): save after ``finish()``.
+        """
+        flight = self._in_flight
+        if flight is not None and not flight.finished:
+            raise RuntimeError(
+                "`accumulator.state_dict()` in the middle of a window: its partial gradient is not saved. Save after"
+                " `accumulator.finish()` and the optimizer step."
+            )
+        return {
+            "mode": self._mode.state_dict(),
+            "passes": self._passes - (flight is not None),  # a pass resumed goes on as the same pass
+            "windows": self._windows,
+            "position": 0 if flight is None else flight.position + 1,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``batches(...)`` skips the batches the saved pass had trained (the loader must yield
+        them in the same order)."""
+        self._mode.load_state_dict(state["mode"])
+        self._passes = int(state["passes"])
+        self._windows = int(state["windows"])
+        self._resume_position = int(state["position"])
+
+
+class FabricMonitor:
+    """Log every window of a :class:`TokenMeanAccumulator` and write or compare its trace, as
+    :class:`~token_mean.DenominatorMonitor` does under the Trainer (the same metrics, trace columns and comparison).
+
+    Metrics go through ``fabric.log_dict`` from rank zero under the window's step (windows finished before it), every
+    ``logging_interval`` windows; ``grad_norm`` is taken in ``finish()`` (before clipping), ``param_norm`` after the
+    optimizer step (when the loop asks for the next batch).
+
+    Args:
+        logging_interval: log every this many windows.
+        prefix, record, reference, rtol, atol, on_divergence: as for :class:`~token_mean.DenominatorMonitor`.
+    """
+
+    def __init__(
+        self,
+        logging_interval: int = 1,
+        prefix: str = "denominator",
+        record: Any = None,
+        reference: Any = None,
+        rtol: float = 1e-4,
+        atol: float = 1e-6,
+        on_divergence: OnDivergence = "warn",
+    ) -> None:
+        settings = MonitorSettings.checked(
+            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)"
+        )
+        self._interval = logging_interval
+        self._observer = Observer(settings)
+        self._fabric: Any = None
+        self._step = 0  # windows logged
+        self._pending: tuple[WindowStats, float, Tensor | None] | None = None  # finished, its step not yet taken
+        self._started_at = time.perf_counter()
+        self._started = False
+
+    @property
+    def first_divergence(self) -> Any:
+        """The first divergent window (set on every rank), ``None`` if none or no reference."""
+        return self._observer.first_divergence
+
+    def start(self, fabric: Any) -> None:
+        """A pass starts (the first one opens the trace)."""
+        self._fabric = fabric
+        if not self._started:
+            self._observer.start(fabric.global_rank == 0, self._step, float("inf"))
+            self._started = True
+        self._started_at = time.perf_counter()
+
+    def finished(self, model: Any, stats: WindowStats) -> None:
+        """A window ended (``accumulator.finish()``): its gradient norm now, before clipping."""
+        gradient = grad_norm(model, self._fabric.device) if self._observer.fingerprints else None
+        self._pending = (stats, time.perf_counter() - self._started_at, gradient)
+
+    def stepped(self, model: Any) -> None:
+        """The loop came back for a batch after a finished window: its update is done."""
+        if self._pending is None:
+            return
+        (stats, elapsed, gradient), self._pending = self._pending, None
+        param_norm = None
+        if self._observer.fingerprints:
+            param_norm = global_norm([p.detach() for p in model.parameters()], self._fabric.device)
+        metrics, divergent = self._observer.window(self._step, stats, elapsed, (gradient, param_norm))
+        if ((self._step + 1) % self._interval == 0 or divergent) and self._fabric.global_rank == 0:
+            self._fabric.log_dict(metrics, step=self._step)
+        self._step += 1
+        self._started_at = time.perf_counter()
+
+    def close(self) -> None:
+        """Close the trace file (at the end of training)."""
+        self._observer.close()
+
+
+def _layout(fabric: Any, forward: Any, original: Any) -> _Layout:
+    from lightning.fabric.strategies.ddp import DDPStrategy
+    from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
+    from lightning.fabric.strategies.fsdp import FSDPStrategy
+    from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+    from lightning.fabric.strategies.single_device import SingleDeviceStrategy
+
+    strategy, device = fabric.strategy, fabric.device
+    if isinstance(strategy, SingleDeviceStrategy):
+        return _Layout(World.single(device), AfterReduction(original, 1), lambda: ())
+    if isinstance(strategy, DDPStrategy):
+        assert isinstance(forward, torch.nn.parallel.DistributedDataParallel)  # Fabric's DDP wraps the module
+        distributed = dist.is_available() and dist.is_initialized() and fabric.world_size > 1
+        world = World(fabric.world_size, fabric.global_rank, device, distributed=distributed)
+        return _Layout(world, InReduction(forward), lambda: (forward.require_forward_param_sync,),
+                       [UnreducedParameters(forward)], ShadowBackward(forward))
+    if isinstance(strategy, ModelParallelStrategy):
+        world = mesh_world(strategy.device_mesh, device)
+        check_reduction(forward, world.size, "TokenMeanAccumulator")
+        flags = lambda: tuple(_torch.fsdp_reduces_gradients(forward))  # noqa: E731 (read at each backward)
+        return _Layout(world, AfterReduction(forward, world.size), flags)
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
+        why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
+               if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
+        raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
+    raise ValueError(
+        f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: use one device, `DDPStrategy` or"
+        " `ModelParallelStrategy`."
+    )
+
+
+def _length(iterable: Iterable[Any]) -> int | None:
+    try:
+        return len(iterable)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _skip(iterator: Iterator[Any], count: int) -> Any | None:
+    """Skip ``count`` items; the last one read when the iterator ran out first (None: it did not)."""
+    last = None
+    for index in range(count):
+        try:
+            last = next(iterator)
+        except StopIteration:
+            return last if index > 0 else None
+    return None
+
+
+__all__ = ["FabricMonitor", "TokenMeanAccumulator"]

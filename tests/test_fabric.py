@@ -1,0 +1,87 @@
+"""``TokenMeanAccumulator`` in a LitGPT-shaped Fabric loop against the plain-torch float64 reference (1e-12).
+
+Every case runs the loop of ``tests/_fabric.py`` on forked workers (Fabric's ``DDPStrategy``, and
+``ModelParallelStrategy`` with FSDP2 over the data-parallel ranks and tensor parallelism over the others) or on one
+device, and compares the final parameters with ``_harness.reference_steps`` over the same windows (the shifted loss,
+counted by ``count_shifted_labels``). LitGPT's own loop, ``fabric.backward(loss / K)``, is the control that must miss.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from _fabric import accumulator_loop, fabric_for, launched, plain_loop, shifted_count, shifted_loss
+from _harness import EXACT, MODES, Batch, empty_like, lightning_steps, ragged_batches, reference_steps, relative_error
+
+MISSES = 1e-6
+
+# (layout, devices, tensor-parallel size): DDP, FSDP2 alone (DP = 2), FSDP2 × TP on a 2 × 2 mesh
+LAYOUTS = [("ddp", 2, 1), ("fsdp", 2, 1), ("fsdp", 4, 2)]
+LAYOUT_IDS = ["ddp", "fsdp2", "fsdp2xtp"]
+
+
+def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
+    """Ragged per-rank batches of at least two positions (a shifted loss needs one target position)."""
+    data = ragged_batches(ranks, batches, seed=seed)
+    for rank in data:
+        for index, batch in enumerate(rank):
+            if batch["x"].shape[1] < 2:
+                rank[index] = {key: value.repeat(1, 2, *([1] * (value.dim() - 2))) for key, value in batch.items()}
+    return data
+
+
+def reference(data: list[list[Batch]], accumulate: int, epochs: int = 1) -> tuple[Any, list[float]]:
+    return reference_steps(
+        lightning_steps(data, accumulate, epochs), loss_sum=lambda net, batch: shifted_loss(net, batch, "sum"),
+        count=shifted_count,
+    )
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize(("layout", "devices", "tensor_parallel"), LAYOUTS, ids=LAYOUT_IDS)
+def test_matches_the_unpartitioned_reference(layout: str, devices: int, tensor_parallel: int, mode: str) -> None:
+    """7 ragged batches per data-parallel rank, K = 3 (a short last window), one micro-batch without a target."""
+    data = ragged(devices // tensor_parallel, 7, seed=devices + tensor_parallel)
+    data[0][1] = empty_like(data[0][1])
+    expected, counts = reference(data, 3)
+    fabric = fabric_for(layout, devices, tensor_parallel)
+    if mode == "plain":
+        params = launched(fabric, plain_loop, data, 3)
+        assert relative_error(params, expected) > MISSES, "LitGPT's loop matched the token mean: the test cannot fail"
+        return
+    windows: list[dict[str, Any]] = []
+    params, windows = launched(fabric, _with_windows, data, 3, mode)
+    assert relative_error(params, expected) < EXACT, f"{layout}/{mode}: {relative_error(params, expected):.3e}"
+    assert [window["global_count"] for window in windows] == counts  # over the data-parallel ranks only
+    assert all(len(window["rank_counts"] or [0] * (devices // tensor_parallel)) == devices // tensor_parallel
+               for window in windows)
+
+
+def _with_windows(fabric: Any, data: list[list[Batch]], accumulate: int, mode: str) -> tuple[Any, list[Any]]:
+    windows: list[dict[str, Any]] = []
+    params = accumulator_loop(fabric, data, accumulate, mode, windows=windows)
+    return params, windows
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_one_device(mode: str) -> None:
+    data = ragged(1, 7, seed=5)
+    expected, counts = reference(data, 3, epochs=2)
+    windows: list[dict[str, Any]] = []
+    params = accumulator_loop(fabric_for("single"), data, 3, mode, epochs=2, windows=windows)
+    assert relative_error(params, expected) < EXACT
+    assert [window["global_count"] for window in windows] == counts
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("layout", ["ddp", "fsdp"])
+def test_uneven_ranks_are_padded_with_fillers(layout: str, mode: str) -> None:
+    """Rank 1 has 4 batches to rank 0's 7: it yields 3 zero-weight fillers, and every window stays exact."""
+    data = ragged(2, 7, seed=8)
+    data[1] = data[1][:4]
+    expected, _ = reference(data, 3)
+    params = launched(fabric_for(layout), accumulator_loop, data, 3, mode)
+    assert relative_error(params, expected) < EXACT
