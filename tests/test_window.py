@@ -1,0 +1,571 @@
+"""The record, its reduction and the window, in one process: fake multi-rank worlds are summed by hand.
+
+A ``World`` with ``distributed=False`` runs no collective, whatever its size: each rank's record is built by a
+``Channel`` over ``World(size=P, rank=r)``, and the test sums the records itself, as the SUM all-reduce would.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+from torch import Tensor
+
+from token_mean._problems import DenominatorError, Problem
+from token_mean._record import (
+    MARKS,
+    NAMED_RANKS,
+    RECORD_SIZE,
+    Channel,
+    Exchange,
+    Kind,
+    Mark,
+    Reduced,
+    Slot,
+    Values,
+    World,
+    raise_lines,
+)
+from token_mean._window import Closing, Window, WindowStats
+
+CPU = torch.device("cpu")
+STEP = "optimizer step 1 (epoch 0"
+NAN = float("nan")
+
+
+def world(size: int, rank: int) -> World:
+    return World(size=size, rank=rank, device=CPU)
+
+
+# the record's layout: the slots, then per mark how many ranks set it, then per mark the sum of their 2**rank
+def ranks_slot(mark: Mark) -> int:
+    return len(Slot) + MARKS.index(mark)
+
+
+def bits_slot(mark: Mark) -> int:
+    return len(Slot) + len(MARKS) + MARKS.index(mark)
+
+
+def scalar(value: float) -> Tensor:
+    return torch.tensor(value, dtype=torch.float64)
+
+
+class RecordingChannel(Channel):
+    """A channel that keeps the exchanges it starts, so a test can read (or replace) what a window sent."""
+
+    def __init__(self, world: World, rank_counts: bool = False) -> None:
+        super().__init__(world, rank_counts)
+        self.exchanges: list[Exchange] = []
+
+    def start(self, kind: Kind, values: Values = Values()) -> Exchange:  # noqa: B008 (frozen)
+        exchange = super().start(kind, values)
+        self.exchanges.append(exchange)
+        return exchange
+
+
+def all_reduce(exchanges: list[Exchange]) -> None:
+    """What the SUM all-reduce does to the ranks' records: each one becomes their sum."""
+    total = torch.stack([exchange.record for exchange in exchanges]).sum(0)
+    for exchange in exchanges:
+        exchange.record = total.clone()
+
+
+def reduced_over(values: list[Values], kinds: list[Kind] | None = None, earlier: list[int] | None = None,
+                 kind: Kind = Kind.WINDOW) -> list[Reduced]:
+    """Every rank's reading of the sum of the ranks' records (rank r at ``kinds[r]``, after ``earlier[r]`` other
+    collectives on its channel)."""
+    size = len(values)
+    records = []
+    for rank in range(size):
+        channel = Channel(world(size, rank))
+        for _ in range((earlier or [0] * size)[rank]):
+            channel.start(kind)
+        records.append(channel.record((kinds or [kind] * size)[rank], values[rank]))
+    total = torch.stack(records).sum(0).tolist()
+    return [Reduced(kind, total, world(size, rank), []) for rank in range(size)]
+
+
+def flagged_on(ranks: set[int], size: int, problem: Problem = Problem.BAD_LOSS) -> list[Values]:
+    return [Values(flags=frozenset({problem}) if rank in ranks else frozenset()) for rank in range(size)]
+
+
+def line(who: str, problem: Problem) -> str:
+    return f"{who}: {problem.what}. Fix: {problem.fix}"
+
+
+def window(channel: Channel | None = None, reduction: str = "mean", **judges: bool) -> Window:
+    return Window(channel or Channel(World.single()), 0, 4, STEP, reduction, **judges)
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the record
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_record_holds_host_values_in_their_slots_and_the_kinds_mark_with_the_rank_bit() -> None:
+    record = Channel(world(4, 2)).record(Kind.WINDOW, Values({Slot.COUNT: 3.0, Slot.LENGTH: 2.0}))
+
+    assert record.dtype == torch.float64 and record.shape == (RECORD_SIZE,)
+    assert record[Slot.COUNT] == 3.0 and record[Slot.LENGTH] == 2.0
+    assert record[ranks_slot(Kind.WINDOW)] == 1.0
+    assert record[bits_slot(Kind.WINDOW)] == 4.0  # 2**rank
+    others = [mark for mark in MARKS if mark is not Kind.WINDOW]
+    assert all(record[ranks_slot(mark)] == 0.0 and record[bits_slot(mark)] == 0.0 for mark in others)
+
+
+def test_only_ranks_below_52_carry_a_rank_bit() -> None:
+    bits = [Channel(world(60, rank)).record(Kind.WINDOW)[bits_slot(Kind.WINDOW)].item() for rank in (51, 52, 59)]
+    assert bits == [2.0**51, 0.0, 0.0]  # the sum of 2**rank over ranks below 52 is exact in float64
+
+
+def test_sequence_counts_the_collectives_started_on_the_channel() -> None:
+    channel = Channel(World.single())
+    assert channel.record(Kind.WINDOW)[Slot.SEQUENCE] == 0.0
+    assert channel.record(Kind.WINDOW)[Slot.SEQUENCE] == 0.0  # building a record is no collective
+
+    records = [channel.start(Kind.WINDOW).record for _ in range(3)]
+    records.append(channel.reduce(Kind.STREAM_END).values)  # type: ignore[arg-type]
+
+    assert [record[Slot.SEQUENCE] for record in records] == [0.0, 1.0, 2.0, 3.0]
+    assert [record[Slot.SEQUENCE_SQUARED] for record in records] == [0.0, 1.0, 4.0, 9.0]
+
+
+def test_device_values_are_added_to_the_host_values_of_their_slots() -> None:
+    values = Values({Slot.COUNT: 1.0}, [(Slot.COUNT, torch.tensor(2)), (Slot.LOSS_SUM, torch.tensor(0.5))])
+    record = Channel(World.single()).record(Kind.WINDOW, values)
+    assert record[Slot.COUNT] == 3.0
+    assert record[Slot.LOSS_SUM] == 0.5
+
+
+def test_device_flags_set_a_mark_with_the_rank_bit_only_when_true() -> None:
+    values = Values(device_flags=[(Problem.BAD_LOSS, torch.tensor(True)), (Problem.COUNT_RANGE, torch.tensor(False))])
+    record = Channel(world(5, 3)).record(Kind.WINDOW, values)
+    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
+    assert (record[ranks_slot(Problem.COUNT_RANGE)], record[bits_slot(Problem.COUNT_RANGE)]) == (0.0, 0.0)
+
+
+def test_problem_flagged_on_the_host_and_on_the_device_is_counted_once() -> None:
+    values = Values(flags=frozenset({Problem.BAD_LOSS}), device_flags=[(Problem.BAD_LOSS, torch.tensor(True))])
+    record = Channel(world(5, 3)).record(Kind.WINDOW, values)
+    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Values says a problem appearing twice in device_flags is summed and clamped, but Channel.record adds"
+    " both: one rank then counts as two ranks, and its doubled bit names rank r + 1 (no caller passes a problem"
+    " twice today)",
+)
+def test_problem_twice_among_device_flags_is_still_one_rank() -> None:
+    true = torch.tensor(True)
+    record = Channel(world(5, 3)).record(Kind.WINDOW, Values(device_flags=[(Problem.BAD_LOSS, true)] * 2))
+    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
+
+
+def test_rank_counts_block_holds_each_ranks_count_in_its_own_slot() -> None:
+    size = 3
+    records = []
+    for rank in range(size):
+        channel = Channel(world(size, rank), rank_counts=True)
+        host = {Slot.COUNT: float(rank)}
+        records.append(channel.record(Kind.WINDOW, Values(host, [(Slot.COUNT, scalar(10.0))])))
+    assert all(record.shape == (RECORD_SIZE + size,) for record in records)
+    assert records[1][RECORD_SIZE:].tolist() == [0.0, 11.0, 0.0]
+
+    total = torch.stack(records).sum(0).tolist()
+    assert Reduced(Kind.WINDOW, total, world(size, 0), []).rank_counts() == (10.0, 11.0, 12.0)
+    plain = Channel(World.single()).record(Kind.WINDOW).tolist()
+    assert Reduced(Kind.WINDOW, plain, World.single(), []).rank_counts() is None
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the reduced record: who raised what
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_problem_of_one_rank_is_named_on_every_rank() -> None:
+    for reduced in reduced_over(flagged_on({3}, 6)):
+        assert reduced.in_step()
+        assert reduced.ranks_with(Problem.BAD_LOSS) == (1, [3])
+        assert reduced.lines() == [line("rank 3", Problem.BAD_LOSS)]
+
+
+def test_problem_of_several_ranks_names_them_all() -> None:
+    (reduced, *_) = reduced_over(flagged_on({0, 5}, 6))
+    assert reduced.lines() == [line("ranks 0, 5", Problem.BAD_LOSS)]
+
+
+def test_up_to_52_ranks_are_named_exactly() -> None:
+    (reduced, *_) = reduced_over(flagged_on(set(range(NAMED_RANKS)), 60))
+    assert NAMED_RANKS == 52
+    assert reduced.lines() == [line("ranks " + ", ".join(map(str, range(52))), Problem.BAD_LOSS)]
+
+
+def test_more_ranks_than_can_be_named_are_counted_naming_the_first_52() -> None:
+    (reduced, *_) = reduced_over(flagged_on(set(range(60)), 60))
+    assert reduced.lines() == [line(f"60 ranks (among them {', '.join(map(str, range(52)))})", Problem.BAD_LOSS)]
+
+
+def test_ranks_past_the_named_ones_are_only_counted() -> None:
+    (reduced, *_) = reduced_over(flagged_on({52, 59}, 60))
+    assert reduced.lines() == [line("2 ranks", Problem.BAD_LOSS)]
+
+
+def test_check_raises_the_same_message_on_every_rank_with_each_ranks_detail_as_a_note() -> None:
+    messages = []
+    for rank, reduced in enumerate(reduced_over(flagged_on({1}, 3, Problem.NO_LOSS))):
+        with pytest.raises(DenominatorError, match=r"rank 1: `training_step` returned no loss") as raised:
+            reduced.check("the accumulation window of step 7", f"what rank {rank} saw")
+        messages.append(str(raised.value))
+        assert raised.value.__notes__ == [f"On rank {rank}: what rank {rank} saw"]
+    assert messages[0].startswith("token_mean: cannot normalize the accumulation window of step 7:\n  rank 1: ")
+    assert messages == [messages[0]] * 3
+
+
+def test_check_passes_when_no_rank_raised_and_raises_the_callers_own_lines() -> None:
+    (reduced, *_) = reduced_over([Values(), Values()])
+    reduced.check("step 1")
+    with pytest.raises(DenominatorError, match=r"cannot normalize step 1:\n  first\n  second$") as raised:
+        reduced.check("step 1", more=["first", "second"])
+    assert not hasattr(raised.value, "__notes__")  # no detail, no note
+
+
+def test_raise_lines_returns_without_lines_and_raises_them_with_the_detail_as_a_note() -> None:
+    raise_lines([], "step 1", "detail", 0)
+    with pytest.raises(DenominatorError, match=r"^token_mean: cannot normalize step 1:\n  one") as raised:
+        raise_lines(["one"], "step 1", "what I saw", 4)
+    assert str(raised.value) == "token_mean: cannot normalize step 1:\n  one"
+    assert raised.value.__notes__ == ["On rank 4: what I saw"]
+
+
+def test_ranks_at_different_kinds_are_out_of_step_and_the_message_says_which_are_where() -> None:
+    kinds = [Kind.WINDOW, Kind.STREAM_END, Kind.WINDOW]
+    reduced_all = reduced_over([Values()] * 3, kinds=kinds)
+    messages = []
+    for rank, reduced in enumerate(reduced_all):
+        assert not reduced.in_step()
+        with pytest.raises(DenominatorError, match="the ranks are out of step") as raised:
+            reduced.check("the window of step 2", "its detail")
+        messages.append(str(raised.value))
+        assert raised.value.__notes__ == [f"On rank {rank}: at the window of step 2; its detail"]
+    assert messages == [messages[0]] * 3
+    assert (
+        f"ranks 0, 2 at {Kind.WINDOW.value}; rank 1 at {Kind.STREAM_END.value}. The ranks' collectives no longer"
+        f" match, so none of their results can be trusted. Fix: {Problem.OUT_OF_STEP.fix}"
+    ) in messages[0]
+
+
+def test_ranks_at_the_same_kind_but_different_collectives_are_out_of_step() -> None:
+    for reduced in reduced_over([Values()] * 3, earlier=[1, 0, 1]):
+        assert not reduced.in_step()
+        expected = f"all ranks at {Kind.WINDOW.value}, but not as the same collective of their run"
+        with pytest.raises(DenominatorError, match=re.escape(expected)):
+            reduced.check("step 1")
+
+
+def test_ranks_at_the_same_collective_are_in_step_and_out_of_step_hides_their_problems() -> None:
+    assert all(reduced.in_step() for reduced in reduced_over([Values()] * 3, earlier=[2, 2, 2]))
+    flagged = reduced_over(flagged_on({0}, 2), kinds=[Kind.WINDOW, Kind.BATCHES])[0]
+    with pytest.raises(DenominatorError, match="out of step") as raised:
+        flagged.check("step 1")
+    assert Problem.BAD_LOSS.what not in str(raised.value)
+
+
+def test_uneven_window_lengths_are_a_problem_of_window_records_only() -> None:
+    lengths = [2.0, 2.0, 1.0]
+    values = [Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}) for length in lengths]
+    window_reduced = reduced_over(values)[0]
+    assert not window_reduced.lengths_agree()
+    assert window_reduced.lines() == [
+        f"{Problem.UNEVEN.what} (total 5 micro-batches over 3 ranks). Fix: {Problem.UNEVEN.fix}"
+    ]
+    assert reduced_over(values, kind=Kind.STREAM_END)[0].lines() == []
+
+    even = [Values({Slot.LENGTH: 2.0, Slot.LENGTH_SQUARED: 4.0})] * 3
+    assert reduced_over(even)[0].lengths_agree()
+
+
+def test_num_items_note_gives_the_shifted_labels_hint_only_when_the_difference_is_the_first_labels() -> None:
+    def note(reported: float, counted: float, first: float) -> str:
+        values = Values({Slot.REPORTED: reported, Slot.COUNTED: counted, Slot.FIRST: first},
+                        flags=frozenset({Problem.NUM_ITEMS_MISMATCH_DEFAULT}))
+        (reduced,) = reduced_over([values])
+        (only,) = reduced.lines()
+        assert only.startswith(f"rank 0: {Problem.NUM_ITEMS_MISMATCH_DEFAULT.what}{reduced.num_items_note()}. Fix:")
+        return reduced.num_items_note()
+
+    assert note(10.0, 12.0, 2.0) == (
+        " (over the micro-batches that disagree: 'num_items' sums to 10, the count to 12; the count is higher by"
+        " exactly the 2 valid labels in the first position of a row: the labels are shifted inside the model; use"
+        " `count_fn=token_mean.count_shifted_labels`)"
+    )
+    assert note(10.0, 12.0, 1.0) == " (over the micro-batches that disagree: 'num_items' sums to 10, the count to 12)"
+    assert note(10.0, 12.0, 0.0) == " (over the micro-batches that disagree: 'num_items' sums to 10, the count to 12)"
+
+
+def test_count_changed_line_gives_both_counts() -> None:
+    values = Values({Slot.READ: 9.0, Slot.RECEIVED: 7.0}, flags=frozenset({Problem.COUNT_CHANGED}))
+    (reduced,) = reduced_over([values])
+    assert reduced.lines() == [
+        f"rank 0: {Problem.COUNT_CHANGED.what} (over the micro-batches that changed: 9 valid items as the loader"
+        f" yielded them, 7 in the batches `training_step` received). Fix: {Problem.COUNT_CHANGED.fix}"
+    ]
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the window on one rank
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_window_sums_count_and_mean_losses_times_counts_and_skips_empty_micro_batches_and_fillers() -> None:
+    win = window()
+    win.add(torch.tensor(3), scalar(0.5), filler=False)
+    win.add(torch.tensor(0), scalar(NAN), filler=False)  # an empty micro-batch: its mean is 0/0
+    win.add(torch.tensor(5), scalar(2.0).requires_grad_(), filler=False)
+    win.add(win.zero(), None, filler=True)
+    assert win.where == "the accumulation window of optimizer step 1 (epoch 0, batches 0..3)"
+
+    closing = win.close()
+    assert closing.global_count().item() == 8.0
+    result = closing.result()
+
+    assert result.reduced[Slot.COUNT] == 8.0
+    assert result.reduced[Slot.LOSS_SUM] == 3 * 0.5 + 5 * 2.0
+    assert (result.reduced[Slot.LENGTH], result.reduced[Slot.LENGTH_SQUARED]) == (4.0, 16.0)
+    assert result.reduced[Slot.REAL] == 3.0
+    assert (result.local_count, result.length) == (8.0, 4)
+    stats = result.stats(8.0, "lookahead", None)
+    assert stats == WindowStats(8.0, 8.0, None, 4, 11.5 / 8, False, "lookahead", None)
+
+
+def test_window_with_sum_reduction_adds_the_loss_sums_of_micro_batches_with_items() -> None:
+    win = window(reduction="sum")
+    win.add(torch.tensor(3), scalar(1.5), filler=False)
+    win.add(torch.tensor(0), scalar(0.0), filler=False)
+    win.add(torch.tensor(2), scalar(4.0), filler=False)
+    result = win.close().result()
+    assert result.reduced[Slot.COUNT] == 5.0
+    assert result.reduced[Slot.LOSS_SUM] == 5.5
+
+
+def test_window_of_empty_micro_batches_has_no_count_and_no_loss() -> None:
+    win = window()
+    win.add(torch.tensor(0), scalar(NAN), filler=False)
+    win.add(torch.tensor(0), scalar(NAN), filler=False)
+    result = win.close().result()
+    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (0.0, 0.0)
+    stats = result.stats(0.0, "deferred", None)
+    assert stats.skipped and stats.loss is None
+
+
+def test_window_carries_aux_sums_added_slots_and_what_the_mode_announces() -> None:
+    win = window()
+    win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.25))
+    win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.5))
+    win.add_to(Slot.NAIVE, scalar(3.0))
+    assert win.has_aux
+    result = win.close(Values({Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0})).result()
+    assert result.reduced[Slot.AUX_SUM] == 0.75
+    assert result.reduced[Slot.NAIVE] == 3.0
+    assert (result.reduced[Slot.NEXT_COUNT], result.reduced[Slot.MORE]) == (7.0, 1.0)
+
+
+def test_nan_aux_loss_is_a_problem() -> None:
+    win = window()
+    win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(NAN))
+    with pytest.raises(DenominatorError, match=r"rank 0: the 'aux_loss' of a micro-batch is NaN or infinite"):
+        win.close().result()
+
+
+def test_negative_count_is_a_problem_unless_counts_are_not_judged() -> None:
+    def closed(**judges: bool) -> Closing:
+        win = window(**judges)
+        win.add(torch.tensor(-2), scalar(1.0), filler=False)
+        win.add(torch.tensor(3), scalar(1.0), filler=False)
+        return win.close()
+
+    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a negative count\. Fix: counts are"):
+        closed().result()
+    assert closed(judge_counts=False).result().reduced[Slot.COUNT] == 3.0  # a bad count counts nothing
+
+
+def test_nan_count_is_a_problem_unless_counts_are_not_judged() -> None:
+    def closed(**judges: bool) -> Closing:
+        win = window(**judges)
+        win.add(scalar(NAN), scalar(1.0), filler=False)
+        win.add(torch.tensor(3), scalar(2.0), filler=False)
+        return win.close()
+
+    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a NaN or infinite count") as raised:
+        closed().result()
+    assert Problem.BAD_LOSS.what not in str(raised.value)  # the NaN count's loss is not the model's fault
+    result = closed(judge_counts=False).result()
+    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (3.0, 6.0)
+
+
+@pytest.mark.parametrize("bad", [NAN, math.inf])
+def test_nonfinite_loss_of_a_micro_batch_with_items_is_a_problem_unless_losses_are_not_judged(bad: float) -> None:
+    def closed(**judges: bool) -> Closing:
+        win = window(**judges)
+        win.add(torch.tensor(2), scalar(bad), filler=False)
+        win.add(torch.tensor(3), scalar(1.0), filler=False)
+        return win.close()
+
+    with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
+        closed().result()
+    result = closed(judge_losses=False).result()
+    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (5.0, 3.0)
+
+
+def test_finite_loss_times_a_huge_count_overflowing_is_the_counts_problem() -> None:
+    win = window()
+    win.add(scalar(1e308), scalar(10.0), filler=False)
+    with pytest.raises(DenominatorError, match=r"rank 0: the window's total count N is too small or too") as raised:
+        win.close().result()
+    assert Problem.BAD_LOSS.what not in str(raised.value)
+
+
+def test_host_flag_raises_with_the_first_detail_as_the_note() -> None:
+    win = window()
+    win.add(torch.tensor(1), scalar(1.0), filler=False)
+    win.flag(Problem.NO_LOSS, "first detail")
+    win.flag(Problem.ALIASED, "second detail")
+    assert win.flags == {Problem.NO_LOSS, Problem.ALIASED}
+    with pytest.raises(DenominatorError, match=r"rank 0: `training_step` returned no loss") as raised:
+        win.close().result()
+    assert f"rank 0: {Problem.ALIASED.what}" in str(raised.value)
+    assert raised.value.__notes__ == ["On rank 0: first detail"]
+
+
+def test_num_items_mismatch_sums_both_sides_and_the_first_labels_over_the_micro_batches_that_differ() -> None:
+    channel = RecordingChannel(World.single())
+    win = window(channel)
+    win.add(torch.tensor(12), scalar(1.0), filler=False)
+    win.add(torch.tensor(5), scalar(1.0), filler=False)
+    win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 10.0, torch.tensor(12), torch.tensor(2))
+    win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 5.0, torch.tensor(5), torch.tensor(1))  # they agree
+    closing = win.close()
+
+    (exchange,) = channel.exchanges
+    assert [exchange.record[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
+    with pytest.raises(DenominatorError, match=r"rank 0: the default count \(`batch\['labels'\] != -100`\)") as raised:
+        closing.result()
+    assert "'num_items' sums to 10, the count to 12; the count is higher by exactly the 2 valid labels" in str(
+        raised.value
+    )
+
+
+def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> None:
+    channel = RecordingChannel(World.single())
+    win = window(channel)
+    win.add(torch.tensor(4), scalar(1.0), filler=False)
+    win.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, torch.tensor(3), torch.tensor(4))
+    closing = win.close()
+    assert channel.exchanges[0].record[Slot.FIRST] == 0.0
+    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' returned") as raised:
+        closing.result()
+    assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
+
+
+def test_count_changed_sums_the_count_read_and_the_count_received_over_the_micro_batches_that_changed() -> None:
+    channel = RecordingChannel(World.single())
+    win = window(channel)
+    for read, received in ((4.0, 3), (2.0, 2), (6.0, 1)):
+        win.add(torch.tensor(received), scalar(1.0), filler=False)
+        win.check_equal(Problem.COUNT_CHANGED, read, torch.tensor(received))
+    closing = win.close()
+
+    assert [channel.exchanges[0].record[slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
+    with pytest.raises(DenominatorError, match=r"10 valid items as the loader yielded them, 4 in the batches"):
+        closing.result()
+
+
+def test_checks_that_agree_raise_nothing() -> None:
+    win = window()
+    win.add(torch.tensor(4), scalar(1.0), filler=False)
+    win.check_equal(Problem.COUNT_CHANGED, 4.0, torch.tensor(4))
+    win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 4.0, 4.0)
+    assert win.close().result().reduced[Slot.COUNT] == 4.0
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# WindowStats and windows over several fake ranks
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_window_stats_derive_imbalance_and_naive_weight_error_from_the_rank_counts() -> None:
+    stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
+    assert stats.world_size == 2
+    assert stats.imbalance == 1.5
+    assert stats.naive_weight_error == 0.5
+
+    empty = WindowStats(0.0, 0.0, (0.0, 0.0, 0.0), 1, None, True, "deferred")
+    assert (empty.world_size, empty.imbalance, empty.naive_weight_error) == (3, 0.0, 0.0)
+
+    untracked = WindowStats(8.0, 2.0, None, 1, 0.625, False, "lookahead")
+    assert (untracked.world_size, untracked.imbalance, untracked.naive_weight_error) == (None, None, None)
+
+
+def test_three_ranks_windows_sum_to_the_hand_computed_stats() -> None:
+    # each rank's micro-batches: (count, mean loss); rank 2 holds an empty micro-batch and a filler
+    micro_batches = [[(3, 0.5), (1, 2.0)], [(6, 1.0), (2, 0.25)], [(0, NAN), None]]
+    channels = [RecordingChannel(world(3, rank), rank_counts=True) for rank in range(3)]
+    closings = []
+    for channel, batches in zip(channels, micro_batches, strict=True):
+        win = window(channel)
+        for batch in batches:
+            if batch is None:
+                win.add(win.zero(), None, filler=True)
+            else:
+                win.add(torch.tensor(batch[0]), scalar(batch[1]), filler=False)
+        closings.append(win.close())
+    all_reduce([channel.exchanges[0] for channel in channels])
+
+    results = [closing.result() for closing in closings]
+
+    global_count = 3 + 1 + 6 + 2
+    loss = (3 * 0.5 + 1 * 2.0 + 6 * 1.0 + 2 * 0.25) / global_count
+    for rank, (result, local_count) in enumerate(zip(results, (4.0, 8.0, 0.0), strict=True)):
+        stats = result.stats(result.reduced[Slot.COUNT], "deferred", None)
+        assert stats == WindowStats(12.0, local_count, (4.0, 8.0, 0.0), 2, loss, False, "deferred"), rank
+        assert stats.world_size == 3
+        assert stats.imbalance == 8.0 * 3 / 12.0
+        assert stats.naive_weight_error == max(abs(3 * n / 12.0 - 1.0) for n in (4.0, 8.0, 0.0))
+        assert result.reduced[Slot.REAL] == 5.0
+        assert result.reduced.in_step() and result.reduced.lengths_agree()
+
+
+def test_problem_of_one_fake_rank_raises_on_every_rank_with_only_its_own_note() -> None:
+    channels = [RecordingChannel(world(3, rank)) for rank in range(3)]
+    closings = []
+    for rank, channel in enumerate(channels):
+        win = window(channel)
+        win.add(torch.tensor(2), scalar(1.0), filler=False)
+        if rank == 1:
+            win.flag(Problem.NO_LOSS, "training_step returned None")
+        closings.append(win.close())
+    all_reduce([channel.exchanges[0] for channel in channels])
+
+    errors = []
+    for closing in closings:
+        with pytest.raises(DenominatorError, match=r"rank 1: `training_step` returned no loss") as raised:
+            closing.result()
+        errors.append(raised.value)
+    assert len({str(error) for error in errors}) == 1
+    assert [getattr(error, "__notes__", []) for error in errors] == [[], ["On rank 1: training_step returned None"], []]
+
+
+def test_fake_ranks_with_windows_of_different_lengths_raise_uneven() -> None:
+    channels = [RecordingChannel(world(3, rank)) for rank in range(3)]
+    closings = []
+    for rank, channel in enumerate(channels):
+        win = window(channel)
+        for _ in range(1 if rank == 2 else 2):
+            win.add(torch.tensor(1), scalar(1.0), filler=False)
+        closings.append(win.close())
+    all_reduce([channel.exchanges[0] for channel in channels])
+    for closing in closings:
+        with pytest.raises(DenominatorError, match=r"different lengths \(total 5 micro-batches over 3 ranks\)"):
+            closing.result()
