@@ -291,18 +291,7 @@ def test_stream_windows_are_padded_to_k_with_fillers_and_the_epoch_ends_with_the
 
 @pytest.mark.parametrize(
     "mode",
-    [
-        "lookahead",
-        pytest.param(
-            "deferred",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="Deferred never sets a stream's length before its first window ends, and _stream_end only"
-                " extends it when a rank has more: a stream that ends within its first window (<= K batches) keeps"
-                " UNKNOWN_END (2**62) as its agreed end, so the loop trains zero-weight filler windows forever",
-            ),
-        ),
-    ],
+    ["lookahead", "deferred"],
 )
 @pytest.mark.filterwarnings("ignore:token_mean. an accumulation window had no valid items")
 def test_stream_that_ends_in_its_first_window_ends_the_epoch_there(mode: str) -> None:

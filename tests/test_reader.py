@@ -276,12 +276,6 @@ def test_entry_of_the_next_position_reads_it_ahead() -> None:
     assert reader.position == 0  # held, not handed out
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Reader.entry drops the earlier entries before reading ahead, so an entry several positions past the last"
-    " one read raises 'internal error: no batch at position' although its docstring says it reads ahead to it"
-    " (the modes only ask for the position just handed out, so no front end reaches this today)",
-)
 def test_entry_several_positions_ahead_reads_ahead_to_it() -> None:
     loader = FakeLoader(real_batches(4))
     reader = Reader(loader)

@@ -152,12 +152,6 @@ def test_problem_flagged_on_the_host_and_on_the_device_is_counted_once() -> None
     assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Values says a problem appearing twice in device_flags is summed and clamped, but Channel.record adds"
-    " both: one rank then counts as two ranks, and its doubled bit names rank r + 1 (no caller passes a problem"
-    " twice today)",
-)
 def test_problem_twice_among_device_flags_is_still_one_rank() -> None:
     true = torch.tensor(True)
     record = Channel(world(5, 3)).record(Kind.WINDOW, Values(device_flags=[(Problem.BAD_LOSS, true)] * 2))

@@ -180,9 +180,9 @@ class Reader:
 
     def entry(self, position: int) -> Entry:
         """The entry at ``position``, reading ahead to it if needed; earlier entries are dropped."""
+        self.read_ahead(position + 1)
         while self._entries and self._entries[0].position < position:
             self._entries.popleft()
-        self.read_ahead(position + 1)
         if not self._entries or self._entries[0].position != position:
             raise RuntimeError(
                 f"token_mean: internal error: no batch at position {position} (next: {self._position}). Please report"
@@ -214,7 +214,8 @@ class Reader:
             reads += 1
 
     def has_real_from(self, position: int, in_flight: bool = True) -> bool:
-        """Whether this rank holds or can read a real batch at ``position`` or later (reads at most one ahead)."""
+        """Whether this rank holds or can read a real batch at ``position`` or later (reads at most one batch past
+        ``position`` or past what it already holds)."""
         if any(not entry.filler for entry in self._entries if entry.position >= position):
             return True
         if self.exhausted:

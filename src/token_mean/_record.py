@@ -101,8 +101,8 @@ class World:
 class Values:
     """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here).
 
-    ``flags`` are host-side problems; ``device_flags`` problems decided on the device (0 or 1, summed when a problem
-    appears twice and clamped).
+    ``flags`` are host-side problems; ``device_flags`` problems decided on the device (true or false; a problem given
+    twice is raised when either is).
     """
 
     host: Mapping[Slot, float] = field(default_factory=dict)
@@ -148,8 +148,14 @@ class Channel:
             host[RECORD_SIZE + world.rank] = host[Slot.COUNT]
             index += [RECORD_SIZE + world.rank for slot, _ in values.device if slot is Slot.COUNT]
             parts += [value.reshape(1).to(torch.float64) for slot, value in values.device if slot is Slot.COUNT]
-        # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit
-        device_flags = [(problem, flag) for problem, flag in values.device_flags if problem not in values.flags]
+        # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
+        # decided twice on the device counts once)
+        decided: dict[Problem, list[Tensor]] = {}
+        for problem, flag in values.device_flags:
+            if problem not in values.flags:
+                decided.setdefault(problem, []).append(flag)
+        device_flags = [(problem, flags[0] if len(flags) == 1 else torch.stack(flags).any())
+                        for problem, flags in decided.items()]
         if device_flags:
             raised = torch.stack([flag for _, flag in device_flags]).to(torch.float64)
             index += [RANKS + _MARK_INDEX[problem] for problem, _ in device_flags]
