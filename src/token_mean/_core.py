@@ -7,6 +7,7 @@ needs the other's objects.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from token_mean._counting import CountFn
@@ -14,7 +15,7 @@ from token_mean._counts import count_valid_labels
 from token_mean._deferred import Deferred, GradientPath
 from token_mean._lookahead import Lookahead
 from token_mean._mode import LossReduction, Mode, Settings, WindowCheck, WindowMode
-from token_mean._record import Channel
+from token_mean._record import Channel, Reduced, World
 
 MODES: tuple[Mode, ...] = ("lookahead", "deferred")
 LOSS_REDUCTIONS: tuple[LossReduction, ...] = ("mean", "sum")
@@ -37,17 +38,27 @@ def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_r
     return Settings(function, count_fn is not None, loss_reduction, pad_uneven_ranks), mode
 
 
-def make_mode(
-    mode: Mode,
-    channel: Channel,
-    settings: Settings,
-    gradients: Callable[[], GradientPath],
-    checks: Sequence[WindowCheck] = (),
-) -> WindowMode:
-    """The mode named ``mode``; ``gradients`` builds deferred mode's path to the gradient (lookahead needs none)."""
+@dataclass(frozen=True)
+class Layout:
+    """What a parallel layout (a Trainer strategy, a Fabric strategy) gives the core.
+
+    ``world``: the ranks that share a denominator; ``gradients``: builds deferred mode's path to the gradient;
+    ``checks``: host-side checks run as each window closes; ``on_out_of_step``: what this rank still does when a
+    blocking collective finds the ranks out of step (None: the others then wait for the timeout in their backward).
+    """
+
+    world: World
+    gradients: Callable[[], GradientPath]
+    checks: Sequence[WindowCheck] = ()
+    on_out_of_step: Callable[[Reduced], None] | None = None
+
+
+def make_mode(mode: Mode, layout: Layout, settings: Settings, rank_counts: bool) -> WindowMode:
+    """The mode named ``mode`` over ``layout``; ``rank_counts`` adds every rank's count to each record."""
+    channel = Channel(layout.world, rank_counts, layout.on_out_of_step)
     if mode == "lookahead":
-        return Lookahead(channel, settings, checks)
-    return Deferred(channel, settings, gradients(), checks)
+        return Lookahead(channel, settings, layout.checks)
+    return Deferred(channel, settings, layout.gradients(), layout.checks)
 
 
-__all__ = ["LOSS_REDUCTIONS", "MODES", "checked_settings", "make_mode"]
+__all__ = ["LOSS_REDUCTIONS", "MODES", "Layout", "checked_settings", "make_mode"]

@@ -9,7 +9,7 @@ between parallel layouts (the abstract methods below) and where its checkpoint s
 from __future__ import annotations
 
 from abc import abstractmethod
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -24,15 +24,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._core import checked_settings, make_mode
+from token_mean._checkpoint import every_rank, this_rank
+from token_mean._core import Layout, checked_settings, make_mode
 from token_mean._counting import CountFn
-from token_mean._deferred import GradientPath
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._filler import filler_batch
-from token_mean._loaders import agree_on_length, gather_objects, length_is_a_hint
-from token_mean._mode import LossReduction, Mode, StepOutput, WindowCheck, WindowMode, WindowResult
+from token_mean._loaders import agree_on_length, length_is_a_hint
+from token_mean._mode import LossReduction, Mode, StepOutput, WindowMode, WindowResult
 from token_mean._reader import Reader
-from token_mean._record import Channel, Reduced, World
 from token_mean._window import WindowStats
 
 CHECKPOINT_KEY = "token_mean"
@@ -42,7 +41,7 @@ class TokenMeanStrategy(ParallelStrategy):
     """The base of the token-mean Trainer strategies: ``isinstance(trainer.strategy, TokenMeanStrategy)``.
 
     Not a strategy by itself: a subclass also derives from a concrete Lightning strategy and says what its parallel
-    layout is (``_world``, ``_gradient_path``, ``_window_checks``).
+    layout is (``_layout``).
     """
 
     def __init__(
@@ -54,7 +53,7 @@ class TokenMeanStrategy(ParallelStrategy):
         **kwargs: Any,
     ) -> None:
         self._settings, self._mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
-        self._count_fn_arg = count_fn
+        self._check_kwargs(self._mode_name, kwargs)
         super().__init__(**kwargs)
         self._mode: WindowMode | None = None  # from the start of `fit`
         self._reader: Reader | None = None  # the fit loop's batches
@@ -89,13 +88,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @property
     def is_filler_batch(self) -> bool:
-        """True while the batch in flight is a zero-weight repeat of an exhausted rank (from the moment the loop
-        fetched it: its batch hooks, ``training_step`` and backward).
-
-        Such a batch contributes nothing to the objective, but it runs the user's ``training_step``: metrics,
-        ``self.log`` and BatchNorm statistics see it unless they check this flag (``TokenMeanLoss`` and
-        ``DenominatorMonitor`` do).
-        """
+        """True while the batch in flight is a zero-weight repeat of an exhausted rank (from its fetch to its
+        backward): it runs the user's ``training_step``, so metrics, ``self.log`` and BatchNorm statistics see it
+        unless they check this flag (``TokenMeanLoss`` does)."""
         current = None if self._reader is None else self._reader.current
         return current is not None and current.filler
 
@@ -106,26 +101,13 @@ class TokenMeanStrategy(ParallelStrategy):
         """
         self._track_rank_counts = True
 
-    # ------------------------------------------------------------------------------------------------------------
-    # what a strategy built on these hooks says
-    # ------------------------------------------------------------------------------------------------------------
+
+    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+        """Refuse the parent strategy's arguments that ``mode`` cannot combine with (none by default)."""
 
     @abstractmethod
-    def _world(self) -> World:
-        """The ranks that share one denominator, and those that must count alike (the process group is up)."""
-
-    @abstractmethod
-    def _gradient_path(self) -> GradientPath:
-        """How deferred mode's final factor reaches the gradient (the model is wrapped)."""
-
-    def _window_checks(self) -> Sequence[WindowCheck]:
-        """Host-side checks run as each window closes (none by default)."""
-        return ()
-
-    def _on_out_of_step(self) -> Callable[[Reduced], None] | None:
-        """What this rank still does when a blocking collective finds the ranks out of step (nothing by default:
-        the ranks at a window's end then wait for the process group's timeout in their backward)."""
-        return None
+    def _layout(self) -> Layout:
+        """The ranks that share a denominator, deferred's gradient path, the window checks (the model is wrapped)."""
 
     def _stand_in_loss(self) -> Tensor:
         """What the backward runs when ``training_step`` returned no loss, so this rank's collectives still run."""
@@ -133,9 +115,6 @@ class TokenMeanStrategy(ParallelStrategy):
 
         return stand_in_loss(self._module())
 
-    # ------------------------------------------------------------------------------------------------------------
-    # set-up: checks that need the Trainer, the mode, and the fit loop's batches routed through the reader
-    # ------------------------------------------------------------------------------------------------------------
 
     @override
     def setup_environment(self) -> None:
@@ -148,42 +127,12 @@ class TokenMeanStrategy(ParallelStrategy):
         super().setup(trainer)  # wraps the model
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        self._check_setup(trainer)
-        channel = Channel(self._world(), self._track_rank_counts, self._on_out_of_step())
-        self._mode = make_mode(self._mode_name, channel, self._settings, self._gradient_path, self._window_checks())
+        _check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation)
+        self._mode = make_mode(self._mode_name, self._layout(), self._settings, self._track_rank_counts)
         _lightning.read_through(trainer, self._on_epoch, self._on_setup_data)
 
     def _distributed(self) -> bool:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
-
-    def _check_setup(self, trainer: pl.Trainer) -> None:
-        module = trainer.lightning_module
-        name = type(self).__name__
-        if not module.automatic_optimization:
-            raise ValueError(
-                f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"
-                " calls backward itself and the strategy cannot normalize it. Use"
-                " `token_mean.fabric.TokenMeanAccumulator`'s pattern in your own step, or set"
-                " `self.automatic_optimization = True`."
-            )
-        if _lightning.uses_dataloader_iter(trainer):
-            raise ValueError(
-                f"`{name}` does not support `training_step(self, dataloader_iter)`: the strategy must see every batch"
-                " the step trains on, and Lightning cannot tell which micro-batch window a batch drawn from the"
-                " iterator belongs to. Use `training_step(self, batch, batch_idx)`, or `DDPStrategy` with your own"
-                " normalization."
-            )
-        if self.handles_gradient_accumulation:
-            raise ValueError(
-                f"`{name}` cannot normalize windows when `handles_gradient_accumulation` is True:"
-                " the strategy would no longer see the accumulation windows."
-            )
-        for optimizer in self.optimizers:
-            if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
-                raise ValueError(
-                    f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
-                    " which would count the window's items again. Use a first-order optimizer."
-                )
 
     def _on_setup_data(self, loaders: list[Any], local_length: int | None) -> None:
         """Lightning sized the epoch from this rank's loaders: every rank takes the longest (one all-reduce)."""
@@ -200,10 +149,6 @@ class TokenMeanStrategy(ParallelStrategy):
         self._reader = reader
         self._mode.start_epoch(reader)
 
-    # ------------------------------------------------------------------------------------------------------------
-    # one micro-batch: delegate to the mode
-    # ------------------------------------------------------------------------------------------------------------
-
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         mode = self._mode
@@ -211,7 +156,7 @@ class TokenMeanStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         trainer = self._trainer()
         position, last = _lightning.batch_position(trainer)
-        filler = mode.begin(position, last, trainer.accumulate_grad_batches, self._step_name(trainer))
+        filler = mode.begin(position, last, trainer.accumulate_grad_batches, _step_name(trainer))
         with filler_batch(filler):
             output = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
         mode.after_forward(args[0] if args else kwargs.get("batch"), output)
@@ -256,21 +201,9 @@ class TokenMeanStrategy(ParallelStrategy):
                 "token_mean: internal error: the optimizer steps, but no accumulation window ended. Please report this"
                 " with your Trainer settings."
             )
-        calls = 0
-
-        def replay() -> Any:
-            nonlocal calls
-            calls += 1
-            if calls > 1:
-                raise RuntimeError(
-                    "token_mean: the optimizer evaluated the closure more than once in one step (as LBFGS does);"
-                    " that would count the window's items again. Use a first-order optimizer."
-                )
-            return result
-
         if ended.stats.skipped:
             return None
-        return super().optimizer_step(optimizer, replay, model, **kwargs)
+        return super().optimizer_step(optimizer, _once(result), model, **kwargs)
 
     def _module(self) -> pl.LightningModule:
         module = self.lightning_module
@@ -280,23 +213,13 @@ class TokenMeanStrategy(ParallelStrategy):
     def _trainer(self) -> pl.Trainer:
         return self._module().trainer
 
-    @staticmethod
-    def _step_name(trainer: pl.Trainer) -> str:
-        return f"optimizer step {trainer.global_step + 1} (epoch {trainer.current_epoch}"
-
-    # ------------------------------------------------------------------------------------------------------------
-    # checkpoints: the loader's own state in Lightning's slot (plain Lightning can resume it), every rank's here
-    # ------------------------------------------------------------------------------------------------------------
-
     @override
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
     ) -> None:
         state: dict[str, Any] = {} if self._mode is None else self._mode.state_dict()
-        reader = self._reader
-        if reader is not None and reader.stateful:
-            local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
-            state["loader_ranks"] = gather_objects(local, self.world_size) if self._distributed() else [local]
+        if self._reader is not None and self._reader.stateful:
+            state["loader_ranks"] = every_rank(self._reader, self.world_size, self._distributed())
         checkpoint[CHECKPOINT_KEY] = state
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
@@ -308,18 +231,62 @@ class TokenMeanStrategy(ParallelStrategy):
             return None
         if self._mode is not None:
             self._mode.load_state_dict(state)
-        ranks = state.get("loader_ranks")
-        if ranks is None or not has_loader_states:
+        own = this_rank(state, self.world_size, self.global_rank) if has_loader_states else None
+        if own is None:
             return None
-        if len(ranks) != self.world_size:
-            raise ValueError(
-                f"token_mean: the checkpoint was written mid-epoch by {len(ranks)} processes, each at its own"
-                f" position in its shard, but it is resumed with {self.world_size} processes. Resume mid-epoch with"
-                f" {len(ranks)} processes, or from a checkpoint written at the end of an epoch."
+        self._resume["exhausted"] = own.exhausted
+        return own.loaders
+
+
+def _step_name(trainer: pl.Trainer) -> str:
+    """What errors call the optimizer step in flight."""
+    return f"optimizer step {trainer.global_step + 1} (epoch {trainer.current_epoch}"
+
+
+def _once(result: Any) -> Callable[[], Any]:
+    """The closure the optimizer gets: the window's last micro-batch already ran, and must not run again."""
+    calls = 0
+
+    def replay() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError(
+                "token_mean: the optimizer evaluated the closure more than once in one step (as LBFGS does); that"
+                " would count the window's items again. Use a first-order optimizer."
             )
-        own = ranks[self.global_rank]
-        self._resume["exhausted"] = own["exhausted"]
-        return own["loaders"]
+        return result
+
+    return replay
+
+
+def _check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:
+    """Refuse, at fit start, what the strategy cannot normalize exactly."""
+    module = trainer.lightning_module
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"
+            " calls backward itself and the strategy cannot normalize it. Use `token_mean.fabric."
+            "TokenMeanAccumulator`'s pattern in your own step, or set `self.automatic_optimization = True`."
+        )
+    if _lightning.uses_dataloader_iter(trainer):
+        raise ValueError(
+            f"`{name}` does not support `training_step(self, dataloader_iter)`: the strategy must see every batch"
+            " the step trains on, and Lightning cannot tell which micro-batch window a batch drawn from the"
+            " iterator belongs to. Use `training_step(self, batch, batch_idx)`, or `DDPStrategy` with your own"
+            " normalization."
+        )
+    if handles_gradient_accumulation:
+        raise ValueError(
+            f"`{name}` cannot normalize windows when `handles_gradient_accumulation` is True:"
+            " the strategy would no longer see the accumulation windows."
+        )
+    for optimizer in trainer.strategy.optimizers:
+        if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
+            raise ValueError(
+                f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
+                " which would count the window's items again. Use a first-order optimizer."
+            )
 
 
 __all__ = ["CHECKPOINT_KEY", "TokenMeanStrategy"]

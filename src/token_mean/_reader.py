@@ -66,23 +66,19 @@ class Reader:
     def __init__(
         self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None = None, start: Callable[[], int] = int
     ) -> None:
-        self._raw_next = raw_next
+        self._source = _Source(raw_next)
         self._snapshot = snapshot
         self._start = start
         self._started = False
         self.length = 0
         self.sized = True
-        self.exhausted = False
         self._position = 0  # of the next item handed out
         self._held: deque[_Held] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
-        self._template: Any = None  # the last real item, repeated by fillers
-        self._pending: deque[Any] = deque()  # raw items read before the reader took over
         self._current_storages: frozenset[int] = frozenset()
         self._previous_storages: frozenset[int] = frozenset()  # of the last real batch read
         self._real_reads = 0
         self.refills = False  # a real batch shared memory with the one read before it
-        self._resumed_exhausted = False
         self.current: Entry | None = None  # the entry handed out last (None before the epoch's first)
 
     # ---------------------------------------------------------------------------------------------------------
@@ -96,17 +92,20 @@ class Reader:
         self._started = False
         self.sized = length is not None
         self.length = length if length is not None else UNKNOWN_END
-        self.exhausted = False
-        self._resumed_exhausted = resumed_exhausted
+        self._source.restart(resumed_exhausted)
         self._held.clear()
         self._entries.clear()
         self.current = None
         self._current_storages = frozenset()
-        self._template = None
 
     def adopt(self, items: list[Any]) -> None:
         """Raw items the loop had read before the reader was installed: they come first."""
-        self._pending.extend(items)
+        self._source.pending.extend(items)
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the loader has run out this epoch."""
+        return self._source.exhausted
 
     def window_stop(self, start: int, accumulate: int) -> int:
         """One past the last position of the window that holds ``start`` (windows are K apart from the epoch's
@@ -223,11 +222,38 @@ class Reader:
         self.read_ahead(max(position, self._position + len(self._held)) + 1, in_flight=in_flight)
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
-    # ---------------------------------------------------------------------------------------------------------
-
     def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, frozenset[int]]:
         """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
         not finished its backward, so a batch sharing its memory would overwrite it."""
+        item, filler = self._source.next()
+        if filler:
+            return item, Entry(position, filler=True), frozenset()
+        storages = _storages(item)
+        self.refills = self.refills or bool(storages & self._previous_storages)
+        self._previous_storages = storages
+        self._real_reads += 1
+        in_use = any(storages & held.storages for held in self._held)
+        aliased = in_use or (in_flight and bool(storages & self._current_storages))
+        return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
+
+class _Source:
+    """The loader's items, and what a filler repeats: the last real item. A ``None`` batch before any real one
+    repeats the first real batch, which is still handed out later."""
+
+    def __init__(self, raw_next: Callable[[], Any]) -> None:
+        self._raw_next = raw_next
+        self.pending: deque[Any] = deque()  # raw items read before the reader took over, or to read again
+        self.exhausted = False
+        self._template: Any = None
+        self._resumed_exhausted = False
+
+    def restart(self, resumed_exhausted: bool) -> None:
+        self.exhausted = False
+        self._template = None
+        self._resumed_exhausted = resumed_exhausted
+
+    def next(self) -> tuple[Any, bool]:
+        """The next item and whether it is a filler; ``StopIteration`` for a loader that yielded nothing."""
         if self._resumed_exhausted:
             # this rank had run out when the checkpoint was written: its loader, restored at its end, starts over,
             # and its first batch is only repeated at weight zero
@@ -240,19 +266,13 @@ class Reader:
                 self._template = self._first_real(item)
             if self._template is None:
                 raise StopIteration  # nothing to repeat: a rank without batches (the modes report it)
-            return self._template, Entry(position, filler=True), frozenset()
+            return self._template, True
         self._template = item
-        storages = _storages(item)
-        self.refills = self.refills or bool(storages & self._previous_storages)
-        self._previous_storages = storages
-        self._real_reads += 1
-        in_use = any(storages & held.storages for held in self._held)
-        aliased = in_use or (in_flight and bool(storages & self._current_storages))
-        return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
+        return item, False
 
     def _next_raw(self) -> Any:
-        if self._pending:
-            return self._pending.popleft()
+        if self.pending:
+            return self.pending.popleft()
         if self.exhausted:
             return None
         try:
@@ -262,7 +282,6 @@ class Reader:
             return None
 
     def _first_real(self, skipped: Any) -> Any:
-        """A ``None`` batch before any real one: find the first real batch to repeat (it is trained later)."""
         if skipped is None:
             return None
         found: list[Any] = []
@@ -270,7 +289,7 @@ class Reader:
             found.append(item)
             if item[0] is not None:
                 break
-        self._pending.extendleft(reversed(found))
+        self.pending.extendleft(reversed(found))
         real = [item for item in found if item[0] is not None]
         return real[0] if real else None
 

@@ -23,7 +23,7 @@ changes in five lines:
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,36 +33,24 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from token_mean import _lightning, _torch
-from token_mean._core import checked_settings, make_mode
+from token_mean._core import Layout, checked_settings, make_mode
 from token_mean._counting import CountFn
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
-from token_mean._deferred import GradientPath
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._filler import filler_batch
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._fsdp import AfterReduction, check_reduction, mesh_world
 from token_mean._loaders import agree_on_length
-from token_mean._mode import LossReduction, Mode, StepOutput, WindowCheck, WindowMode
+from token_mean._mode import LossReduction, Mode, StepOutput, WindowMode
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
 from token_mean._reader import Reader
-from token_mean._record import Channel, World
+from token_mean._record import World
 from token_mean._window import WindowStats
-
-
-@dataclass(frozen=True)
-class _Layout:
-    """What the accumulator needs of the Fabric strategy: the ranks, deferred's gradient path, the checks."""
-
-    world: World
-    gradients: GradientPath
-    sync_flags: Any  # callable: the gradient-sync flags the next backward will use (empty: no sync to check)
-    checks: Sequence[WindowCheck] = ()
-    on_out_of_step: Any = None
 
 
 @dataclass
 class _InFlight:
-    """The micro-batch the loop is training."""
+    """The micro-batch the loop is training, and what the loop has done with it (misuse is an error)."""
 
     position: int
     last: bool  # its window's last: the gradient is reduced in its backward
@@ -70,6 +58,44 @@ class _InFlight:
     batch: Any
     backward_done: bool = False
     finished: bool = False
+
+    def backward(self) -> None:
+        if self.backward_done:
+            raise RuntimeError(
+                f"`accumulator.backward(loss)` was called twice for batch {self.position}: its items would count"
+                " twice. Call it once per batch."
+            )
+
+    def finish(self) -> None:
+        if not self.last or not self.backward_done or self.finished:
+            state = "is called twice" if self.finished else "comes before the window's last backward"
+            raise RuntimeError(
+                f"`accumulator.finish()` {state} (batch {self.position}): call it once per window, after"
+                " `accumulator.backward(loss)` of the batch where `accumulator.accumulating` is False."
+            )
+
+    def done(self) -> None:
+        """The loop asks for the next batch: this one must have run its backward (and finished its window)."""
+        if not self.backward_done:
+            raise RuntimeError(
+                f"`accumulator.backward(loss)` was not called for batch {self.position}: every batch the"
+                " accumulator yields must run its backward (a filler's too), or the ranks fall out of step."
+            )
+        if self.last and not self.finished:
+            raise RuntimeError(
+                f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
+                f" {self.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
+            )
+
+    def check_sync(self, flags: Sequence[bool]) -> None:
+        """The model reduces the gradient in the window's last backward, and only there (host-side flags)."""
+        if flags and set(flags) != {self.last}:
+            wrong = "would not reduce the window's gradient" if self.last else "would reduce it mid-window"
+            raise RuntimeError(
+                f"The gradient sync of batch {self.position} disagrees with the window: its backward {wrong}. Wrap"
+                " each micro-batch's forward and backward in `with fabric.no_backward_sync(model,"
+                " enabled=accumulator.accumulating):`."
+            )
 
 
 class TokenMeanAccumulator:
@@ -136,10 +162,8 @@ class TokenMeanAccumulator:
         self._fabric = fabric
         self._model = model
         self._accumulate = accumulate
-        layout = _layout(fabric, *modules)
-        self._sync_flags = layout.sync_flags
-        channel = Channel(layout.world, rank_counts=monitor is not None, on_out_of_step=layout.on_out_of_step)
-        self._mode: WindowMode = make_mode(mode_name, channel, self._settings, lambda: layout.gradients, layout.checks)
+        layout, self._sync_flags = _layout(fabric, *modules)
+        self._mode: WindowMode = make_mode(mode_name, layout, self._settings, rank_counts=monitor is not None)
         if layout.world.distributed:
             destroy_process_group_at_exit()
         self._monitor = monitor
@@ -235,22 +259,11 @@ class TokenMeanAccumulator:
         return reader
 
     def _check_previous_batch(self) -> None:
-        """The loop asks for the next batch: the one before must have finished its backward (and its window)."""
         flight = self._in_flight
-        if flight is None:
-            return
-        if not flight.backward_done:
-            raise RuntimeError(
-                f"`accumulator.backward(loss)` was not called for batch {flight.position}: every batch the"
-                " accumulator yields must run its backward (a filler's too), or the ranks fall out of step."
-            )
-        if flight.last and not flight.finished:
-            raise RuntimeError(
-                f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
-                f" {flight.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
-            )
-        if flight.last and self._monitor is not None:
-            self._monitor.stepped(self._model)
+        if flight is not None:
+            flight.done()
+            if flight.last and self._monitor is not None:
+                self._monitor.stepped(self._model)
 
     def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
                  **kwargs: Any) -> None:
@@ -262,29 +275,14 @@ class TokenMeanAccumulator:
         mode normalizes by it).
         """
         flight = self._flight("`accumulator.backward(loss)`")
-        if flight.backward_done:
-            raise RuntimeError(
-                f"`accumulator.backward(loss)` was called twice for batch {flight.position}: its items would count"
-                " twice. Call it once per batch."
-            )
-        self._check_sync(flight)
+        flight.backward()
+        flight.check_sync(self._sync_flags())
         self._mode.after_forward(flight.batch, StepOutput(loss, aux_loss, num_items, loss))
         scaled = self._mode.scale(loss, 1.0, aux_loss)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         flight.backward_done = True
         if not flight.last:
             self._mode.after_backward()
-
-    def _check_sync(self, flight: _InFlight) -> None:
-        """The model reduces the gradient in the window's last backward, and only there (host-side flags)."""
-        flags = set(self._sync_flags())
-        if flags and flags != {flight.last}:
-            wrong = "would not reduce the window's gradient" if flight.last else "would reduce it mid-window"
-            raise RuntimeError(
-                f"The gradient sync of batch {flight.position} disagrees with the window: its backward {wrong}. Wrap"
-                " each micro-batch's forward and backward in `with fabric.no_backward_sync(model,"
-                " enabled=accumulator.accumulating):`."
-            )
 
     def finish(self) -> WindowStats:
         """After the window's last backward: its stats (the window's one host read).
@@ -294,12 +292,7 @@ class TokenMeanAccumulator:
         step). A window with N = 0 on every rank has ``skipped`` True: do not step the optimizer for it.
         """
         flight = self._flight("`accumulator.finish()`")
-        if not flight.last or not flight.backward_done or flight.finished:
-            state = ("is called twice" if flight.finished else "comes before the window's last backward")
-            raise RuntimeError(
-                f"`accumulator.finish()` {state} (batch {flight.position}): call it once per window, after"
-                " `accumulator.backward(loss)` of the batch where `accumulator.accumulating` is False."
-            )
+        flight.finish()
         ended = self._mode.after_backward()
         assert ended is not None  # the window's last backward ran
         flight.finished = True
@@ -412,7 +405,12 @@ class FabricMonitor:
         self._observer.close()
 
 
-def _layout(fabric: Any, forward: Any, original: Any) -> _Layout:
+SyncFlags = Callable[[], Sequence[bool]]
+"""The gradient-sync flags the next backward will use, read on the host (none: nothing reduces)."""
+
+
+def _layout(fabric: Any, forward: Any, original: Any) -> tuple[Layout, SyncFlags]:
+    """The core's view of Fabric's strategy, and how to read its gradient-sync flags."""
     from lightning.fabric.strategies.ddp import DDPStrategy
     from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
     from lightning.fabric.strategies.fsdp import FSDPStrategy
@@ -421,18 +419,18 @@ def _layout(fabric: Any, forward: Any, original: Any) -> _Layout:
 
     strategy, device = fabric.strategy, fabric.device
     if isinstance(strategy, SingleDeviceStrategy):
-        return _Layout(World.single(device), AfterReduction(original, 1), lambda: ())
+        return Layout(World.single(device), lambda: AfterReduction(original, 1)), lambda: ()
     if isinstance(strategy, DDPStrategy):
         assert isinstance(forward, torch.nn.parallel.DistributedDataParallel)  # Fabric's DDP wraps the module
         distributed = dist.is_available() and dist.is_initialized() and fabric.world_size > 1
         world = World(fabric.world_size, fabric.global_rank, device, distributed=distributed)
-        return _Layout(world, InReduction(forward), lambda: (forward.require_forward_param_sync,),
-                       [UnreducedParameters(forward)], ShadowBackward(forward))
+        layout = Layout(world, lambda: InReduction(forward), [UnreducedParameters(forward)], ShadowBackward(forward))
+        return layout, lambda: (forward.require_forward_param_sync,)  # what the forward prepared the backward for
     if isinstance(strategy, ModelParallelStrategy):
         world = mesh_world(strategy.device_mesh, device)
         check_reduction(forward, world.size, "TokenMeanAccumulator")
-        flags = lambda: tuple(_torch.fsdp_reduces_gradients(forward))  # noqa: E731 (read at each backward)
-        return _Layout(world, AfterReduction(forward, world.size), flags)
+        layout = Layout(world, lambda: AfterReduction(forward, world.size))
+        return layout, lambda: _torch.fsdp_reduces_gradients(forward)  # read by FSDP2 as the backward runs
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
         why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
                if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")

@@ -13,10 +13,9 @@ from torch import Tensor
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._deferred import GradientPath
+from token_mean._core import Layout
 from token_mean._fsdp import AfterReduction, Outputs, check_reduction, mesh_world
 from token_mean._hooks import TokenMeanStrategy
-from token_mean._record import World
 
 
 class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
@@ -93,8 +92,11 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
             )
 
     @override
-    def _world(self) -> World:
-        return mesh_world(self.device_mesh, self.root_device)
+    def _layout(self) -> Layout:
+        model = self.model
+        assert model is not None  # `fit` set it up before `setup` asks
+        data_parallel = self.device_mesh["data_parallel"].size()
+        return Layout(mesh_world(self.device_mesh, self.root_device), lambda: AfterReduction(model, data_parallel))
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -109,11 +111,6 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
                     " ranks; apply `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in `configure_model`."
                 )
             self._outputs = Outputs(self.model)
-
-    @override
-    def _gradient_path(self) -> GradientPath:
-        assert self.model is not None
-        return AfterReduction(self.model, self.device_mesh["data_parallel"].size())
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

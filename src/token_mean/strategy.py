@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
@@ -10,12 +10,11 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._counting import CountFn
+from token_mean._core import Layout
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
-from token_mean._deferred import GradientPath
 from token_mean._hooks import TokenMeanStrategy
-from token_mean._mode import LossReduction, Mode, WindowCheck
-from token_mean._record import Reduced, World
+from token_mean._mode import Mode
+from token_mean._record import World
 
 
 class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
@@ -84,20 +83,13 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
     strategy_name = "ddp_token_mean"
 
-    def __init__(
-        self,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction = "mean",
-        mode: Mode = "lookahead",
-        pad_uneven_ranks: bool = True,
-        **kwargs: Any,
-    ) -> None:
+    @override
+    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
         if mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with `mode='deferred'`, which installs its own gradient"
                 " all-reduce hook to apply the global denominator. Use `mode='lookahead'` or remove `ddp_comm_hook`."
             )
-        super().__init__(count_fn, loss_reduction, mode, pad_uneven_ranks, **kwargs)
 
     @classmethod
     @override
@@ -117,25 +109,12 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
                 )
 
     @override
-    def _world(self) -> World:
+    def _layout(self) -> Layout:
+        model = self.model
+        assert isinstance(model, DistributedDataParallel)  # `fit` wraps the model before `setup` asks
         # every rank holds its own batch: all of them share the denominator, over the default process group
-        return World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
-
-    def _ddp_model(self) -> DistributedDataParallel:
-        assert isinstance(self.model, DistributedDataParallel)  # `fit` wraps it before the hooks ask
-        return self.model
-
-    @override
-    def _gradient_path(self) -> GradientPath:
-        return InReduction(self._ddp_model())
-
-    @override
-    def _window_checks(self) -> Sequence[WindowCheck]:
-        return [UnreducedParameters(self._ddp_model())]
-
-    @override
-    def _on_out_of_step(self) -> Callable[[Reduced], None]:
-        return ShadowBackward(self._ddp_model())
+        world = World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
+        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

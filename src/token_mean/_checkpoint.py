@@ -1,0 +1,50 @@
+"""Every rank's loader position in a mid-epoch checkpoint: Lightning saves rank 0's only.
+
+Ranks with shards of different lengths (or a rank that ran out and repeats its last batch as a filler) stand at
+different positions of their own loaders; resumed from rank 0's state, the others would train other batches.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from token_mean._loaders import gather_objects
+from token_mean._reader import Reader
+
+
+@dataclass(frozen=True)
+class RankPosition:
+    """Where one rank's loaders stood: their states after the batches handed out, and whether they had run out."""
+
+    loaders: Any
+    exhausted: bool
+
+
+def every_rank(reader: Reader, world_size: int, distributed: bool) -> list[dict[str, Any]]:
+    """Every rank's position, in rank order (an all-gather of small objects, at checkpoint time only)."""
+    local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
+    return gather_objects(local, world_size) if distributed else [local]
+
+
+def this_rank(state: Mapping[str, Any], world_size: int, rank: int) -> RankPosition | None:
+    """This rank's saved position (None when the checkpoint holds none).
+
+    Raises:
+        ValueError: for a checkpoint written mid-epoch by another number of processes.
+    """
+    ranks = state.get("loader_ranks")
+    if ranks is None:
+        return None
+    if len(ranks) != world_size:
+        raise ValueError(
+            f"token_mean: the checkpoint was written mid-epoch by {len(ranks)} processes, each at its own position in"
+            f" its shard, but it is resumed with {world_size} processes. Resume mid-epoch with {len(ranks)}"
+            " processes, or from a checkpoint written at the end of an epoch."
+        )
+    own = ranks[rank]
+    return RankPosition(own["loaders"], bool(own["exhausted"]))
+
+
+__all__ = ["RankPosition", "every_rank", "this_rank"]
