@@ -20,6 +20,8 @@ from _harness import (
     EXACT,
     FORK,
     MODES,
+    ListDataset,
+    StreamDataset,
     TokenModule,
     TokenNet,
     constant,
@@ -135,6 +137,83 @@ def test_iterable_dataset(tmp_path: Path, mode: str) -> None:
     params, _ = fit(TokenModule(data, iterable=True), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
     expected, _ = reference(data, constant(3))
     assert relative_error(params, expected) < EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host memory: lookahead reads at most K batches ahead of the one in training, deferred nothing beyond Lightning's own
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _CountingIterator:
+    """The loader's iterator; at every batch it yields, the number of batches read ahead: yielded and not yet started,
+    not counting the batch the loop fetches for its next step (a worker inherits the counters at zero, then counts
+    its own)."""
+
+    yielded = started = most_ahead = 0
+    in_training = False  # between a batch's on_train_batch_start and its on_train_batch_end
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        counter = _CountingIterator
+        counter.yielded += 1
+        ahead = counter.yielded - counter.started - (0 if counter.in_training else 1)
+        counter.most_ahead = max(counter.most_ahead, ahead)
+        return batch
+
+
+class CountingLoader(DataLoader[dict[str, Tensor]]):
+    def __iter__(self) -> Any:
+        return _CountingIterator(super().__iter__())
+
+
+class CountedReads(TokenModule):
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path, iterable: bool) -> None:
+        super().__init__(data, iterable=iterable)
+        self.out = out
+
+    def train_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        rank_batches = self.data[self.global_rank]
+        return CountingLoader(StreamDataset(rank_batches) if self.iterable else ListDataset(rank_batches),
+                              batch_size=None)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        _CountingIterator.started += 1
+        _CountingIterator.in_training = True
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        _CountingIterator.in_training = False
+
+    def on_train_end(self) -> None:
+        (self.out / f"ahead{self.global_rank}.txt").write_text(str(_CountingIterator.most_ahead))
+
+
+# (method, loader, K): what each holds ahead at most. Lightning's fetcher itself reads one batch ahead of a stream
+# (plain DDP holds 1 there, 0 on a sized loader); lookahead's rolling read-ahead reaches K ahead at every window's last
+# micro-batch (the whole next window) and never more, on either loader (Lightning's prefetch is one of the K).
+READ_AHEAD = [
+    *(("lookahead", loader, k, k) for loader in ("sized", "stream") for k in (1, 3)),
+    ("deferred", "sized", 3, 0), ("deferred", "stream", 3, 1), ("plain", "sized", 3, 0), ("plain", "stream", 3, 1),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("method", "loader", "k", "most_ahead"), READ_AHEAD)
+def test_batches_read_ahead(tmp_path: Path, method: str, loader: str, k: int, most_ahead: int) -> None:
+    """The README's "host memory: at most K batches read ahead" (lookahead) and "nothing extra" (deferred), exactly:
+    the most batches a rank's loader yielded beyond the one in training is K in lookahead, and plain DDP's in
+    deferred mode."""
+    data = ragged_batches(2, 7, seed=12)
+    module = CountedReads(data, tmp_path, iterable=loader == "stream")
+    params, _ = fit(module, strategy_for(method), tmp_path, accumulate_grad_batches=k)
+    assert [int((tmp_path / f"ahead{rank}.txt").read_text()) for rank in (0, 1)] == [most_ahead] * 2
+    if method != "plain":
+        assert relative_error(params, reference(data, constant(k))[0]) < EXACT
 
 
 @pytest.mark.distributed
