@@ -7,6 +7,7 @@ where plain DDP is exact and has no control.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +20,7 @@ import torch.nn.functional as F
 from _harness import (
     EXACT,
     FORK,
+    LR,
     MODES,
     ListDataset,
     StreamDataset,
@@ -118,15 +120,75 @@ def test_empty_windows_warn_once(tmp_path: Path, mode: str) -> None:
     """
     data = with_empty(ragged_batches(1, 6, seed=9), [(0, 0), (0, 1), (0, 4), (0, 5)])
     strategy = TokenMeanDDPStrategy(mode=mode, process_group_backend="gloo")  # type: ignore[arg-type]
+    module = TokenModule(data)
     with pytest.warns(UserWarning) as caught:
-        params, windows = fit(TokenModule(data), strategy, tmp_path, devices=1, accumulate_grad_batches=2)
+        params, windows = fit(module, strategy, tmp_path, devices=1, accumulate_grad_batches=2)
     empty_window_warnings = [w for w in caught if "no valid items on any rank (N = 0)" in str(w.message)]
     assert len(empty_window_warnings) == 1, [str(w.message) for w in caught]
     assert strategy.skipped_steps == 2
+    assert module.trainer.global_step == 3  # Lightning counts the skipped steps
     expected, counts = reference(data, constant(2))
     assert counts[0] == counts[2] == 0.0 and counts[1] > 0
     assert [w["skipped"] for w in windows] == [True, False, True]
     assert relative_error(params, expected) < EXACT
+
+
+GAMMA = 0.5  # the step-wise LR schedule of the test below: the LR halves at every optimizer step Lightning counts
+
+
+class Scheduled(TokenModule):
+    """SGD with a step-wise StepLR; rank 0 writes (global_step, LR) at the end of every batch."""
+
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path) -> None:
+        super().__init__(data)
+        self.out = out
+        self.seen: list[tuple[int, float]] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((self.trainer.global_step, self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            (self.out / "steps.json").write_text(json.dumps(self.seen))
+
+
+def scheduled_reference(data: list[list[dict[str, Tensor]]], accumulate: int) -> dict[str, Tensor]:
+    """Plain torch: a window with N = 0 leaves parameters and momentum alone, and the scheduler still steps."""
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+    for window in windows_of(len(data[0]), accumulate):
+        step_batches = [rank[i] for rank in data for i in window]
+        total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
+        if total > 0:
+            optimizer.zero_grad()
+            loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+            assert isinstance(loss, Tensor)
+            loss.backward()
+            optimizer.step()
+        scheduler.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_window_advances_global_step_and_lr_schedule(tmp_path: Path, mode: str) -> None:
+    """The README: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler still
+    advance on it. K = 2, 2 ranks: window 1 of 3 holds no valid item on any rank."""
+    data = with_empty(ragged_batches(2, 6, seed=9), [(0, 2), (0, 3), (1, 2), (1, 3)])
+    params, windows = fit(Scheduled(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    assert [w["skipped"] for w in windows] == [False, True, False]
+    seen = [tuple(step) for step in json.loads((tmp_path / "steps.json").read_text())]
+    # (global_step, LR) after each batch: the skipped window (batches 2, 3) counts a step and halves the LR
+    assert seen == [(0, LR), (1, LR * GAMMA), (1, LR * GAMMA), (2, LR * GAMMA**2), (2, LR * GAMMA**2),
+                    (3, LR * GAMMA**3)]
+    assert relative_error(params, scheduled_reference(data, 2)) < EXACT
 
 
 @pytest.mark.distributed
