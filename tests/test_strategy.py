@@ -302,6 +302,61 @@ def test_sum_reduction(tmp_path: Path, mode: str, as_dict: bool) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# what Lightning shows: the progress bar and `self.log` see the user's own micro-batch loss, never the scaled one
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LoggedLoss(TokenModule):
+    """Logs its micro-batch loss to the progress bar and, at every batch end, writes (per rank) what Lightning shows
+    next to the loss plain torch computes from the same weights, and the tensor it returned as it is after backward.
+    """
+
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path) -> None:
+        super().__init__(data)
+        self.out = out
+        self.rows: list[dict[str, float]] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = token_loss(self.net, batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, reduce_fx="mean")
+        with torch.no_grad():
+            self._plain = float(token_loss(self.net, batch))  # the same weights: nothing steps inside a window
+        self._returned = loss
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.rows.append({
+            "plain": self._plain,
+            "progress_bar": float(self.trainer.progress_bar_metrics["train_loss"]),
+            "callback_metrics": float(self.trainer.callback_metrics["train_loss"]),
+            "returned": float(self._returned),  # after its backward: a loss scaled in place would show here
+            "outputs_times_k": float(outputs["loss"]) * self.trainer.accumulate_grad_batches,  # Lightning's copy / K
+        })
+
+    def on_train_end(self) -> None:
+        (self.out / f"shown{self.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_progress_bar_and_log_show_the_micro_batch_loss(tmp_path: Path, mode: str) -> None:
+    """The README: "Lightning's progress bar and `self.log("loss", ...)` keep showing your micro-batch loss; the
+    strategy rescales only what goes into `backward`". K = 3 with a partial last window, micro-batches far apart in
+    size, so the strategy's scale K·P·n/N (or n/D) is far from 1 on every micro-batch."""
+    data = ragged_batches(2, 7, seed=13, keep=(0.9, 0.5))
+    assert all(int((b["labels"] != -100).sum()) > 0 for rank in data for b in rank)  # no 0/0 mean to compare
+    params, _ = fit(LoggedLoss(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"shown{rank}.json").read_text())
+        assert len(rows) == 7, rank
+        for index, row in enumerate(rows):
+            where = f"rank {rank}, batch {index}: {row}"
+            assert row["progress_bar"] == row["callback_metrics"] == row["returned"] == row["plain"], where
+            assert row["outputs_times_k"] == pytest.approx(row["plain"], rel=1e-15), where
+    assert relative_error(params, reference(data, constant(3))[0]) < EXACT  # the strategy did scale the gradient
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # a custom count defines another objective: each valid target weighs its class's weight
 # ---------------------------------------------------------------------------------------------------------------
 
