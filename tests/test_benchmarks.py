@@ -100,7 +100,9 @@ def test_slow_loader_quick(tmp_path: Path) -> None:
     for key in ("wait_ratio_lookahead", "wait_ratio_deferred"):
         assert isinstance(payload[key], float) and payload[key] > 0, (key, payload[key])
     held = {r["method"]: r["most_held"] for r in payload["rows"]}
-    assert held["deferred"] <= 1 and held["lookahead"] <= 16 + 1, held  # lookahead holds at most K batches ahead
+    # K = 16 on a sized loader: lookahead holds exactly K batches ahead at most, deferred nothing, as plain DDP
+    # (tests/test_strategy.py::test_batches_read_ahead pins the same for K in {1, 3} and streams)
+    assert held == {"plain": 0, "lookahead": 16, "deferred": 0}, held
 
 
 @pytest.mark.slow

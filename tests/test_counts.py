@@ -568,8 +568,12 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
     params, _ = fit(module, strategy_for(variant, count_fn=count_shifted_labels), tmp_path,
                     accumulate_grad_batches=ACCUMULATE)
     error = relative_error(params, run_reference(hf_model(), data, hf_objective, lr=HF_LR))
+    print(f"hf/{variant}/{form}: relative parameter error {error:.6e}")
     if variant in NAMED:
         assert error < HF_EXACT, f"hf/{variant}/{form}: relative parameter error {error:.3e}"
+    elif variant == DEFAULT_COUNT:
+        # the README ("Hugging Face causal LMs") quotes this figure: the default count is 1.5e-1 off (0.1489 here)
+        assert 0.10 < error < 0.20, f"hf: the default count is {error:.3e} off, the README says 1.5e-1"
     else:
         assert error > 100 * HF_EXACT, f"hf: {variant} matched the reference ({error:.3e}): the test could not fail"
 

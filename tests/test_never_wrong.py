@@ -13,8 +13,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
-import tomllib
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from datetime import timedelta
@@ -62,7 +60,6 @@ from token_mean import (
     count_valid_labels,
 )
 
-ROOT = Path(__file__).parent.parent
 GLOO_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
 FAST: dict[str, Any] = {**FORK, "timeout": GLOO_TIMEOUT}
 MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
@@ -629,18 +626,6 @@ def test_monitor_counts_ignore_fillers(filler_run: Callable[[str, bool], Path], 
         assert (got["rank_count_min"], got["rank_count_max"]) == (min(counts), max(counts)), f"step {step}"
         assert got["rank_count_mean"] == pytest.approx(sum(counts) / 2, rel=EXACT), f"step {step}"
     assert_exact(out, reference_steps(lightning_steps(data, FILLER_K))[0])
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# 8. the Python floor is what CI runs
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def test_python_floor_is_what_ci_runs() -> None:
-    """The code uses `BaseException.add_note` (3.11+); CI runs 3.11 only."""
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
-    assert project["requires-python"] == ">=3.11"
-    assert sys.version_info >= (3, 11)
 
 
 # ---------------------------------------------------------------------------------------------------------------

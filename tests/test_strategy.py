@@ -7,6 +7,7 @@ where plain DDP is exact and has no control.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -19,7 +20,10 @@ import torch.nn.functional as F
 from _harness import (
     EXACT,
     FORK,
+    LR,
     MODES,
+    ListDataset,
+    StreamDataset,
     TokenModule,
     TokenNet,
     constant,
@@ -40,7 +44,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch import Tensor
 from torch.utils.data import DataLoader
 
-from token_mean import DenominatorError, TokenMeanDDPStrategy
+from token_mean import TokenMeanDDPStrategy
 
 
 def with_empty(data: list[list[dict[str, Tensor]]], cells: list[tuple[int, int]]) -> list[list[dict[str, Tensor]]]:
@@ -116,15 +120,75 @@ def test_empty_windows_warn_once(tmp_path: Path, mode: str) -> None:
     """
     data = with_empty(ragged_batches(1, 6, seed=9), [(0, 0), (0, 1), (0, 4), (0, 5)])
     strategy = TokenMeanDDPStrategy(mode=mode, process_group_backend="gloo")  # type: ignore[arg-type]
+    module = TokenModule(data)
     with pytest.warns(UserWarning) as caught:
-        params, windows = fit(TokenModule(data), strategy, tmp_path, devices=1, accumulate_grad_batches=2)
+        params, windows = fit(module, strategy, tmp_path, devices=1, accumulate_grad_batches=2)
     empty_window_warnings = [w for w in caught if "no valid items on any rank (N = 0)" in str(w.message)]
     assert len(empty_window_warnings) == 1, [str(w.message) for w in caught]
     assert strategy.skipped_steps == 2
+    assert module.trainer.global_step == 3  # Lightning counts the skipped steps
     expected, counts = reference(data, constant(2))
     assert counts[0] == counts[2] == 0.0 and counts[1] > 0
     assert [w["skipped"] for w in windows] == [True, False, True]
     assert relative_error(params, expected) < EXACT
+
+
+GAMMA = 0.5  # the step-wise LR schedule of the test below: the LR halves at every optimizer step Lightning counts
+
+
+class Scheduled(TokenModule):
+    """SGD with a step-wise StepLR; rank 0 writes (global_step, LR) at the end of every batch."""
+
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path) -> None:
+        super().__init__(data)
+        self.out = out
+        self.seen: list[tuple[int, float]] = []
+
+    def configure_optimizers(self) -> Any:
+        optimizer = make_optimizer(self.parameters())
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append((self.trainer.global_step, self.trainer.optimizers[0].param_groups[0]["lr"]))
+
+    def on_train_end(self) -> None:
+        if self.global_rank == 0:
+            (self.out / "steps.json").write_text(json.dumps(self.seen))
+
+
+def scheduled_reference(data: list[list[dict[str, Tensor]]], accumulate: int) -> dict[str, Tensor]:
+    """Plain torch: a window with N = 0 leaves parameters and momentum alone, and the scheduler still steps."""
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    optimizer = make_optimizer(net.parameters())
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=GAMMA)
+    for window in windows_of(len(data[0]), accumulate):
+        step_batches = [rank[i] for rank in data for i in window]
+        total = sum(int((b["labels"] != -100).sum()) for b in step_batches)
+        if total > 0:
+            optimizer.zero_grad()
+            loss = sum(token_loss(net, b, "sum") for b in step_batches) / total
+            assert isinstance(loss, Tensor)
+            loss.backward()
+            optimizer.step()
+        scheduler.step()
+    return {k: v.detach() for k, v in net.state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_empty_window_advances_global_step_and_lr_schedule(tmp_path: Path, mode: str) -> None:
+    """The README: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler still
+    advance on it. K = 2, 2 ranks: window 1 of 3 holds no valid item on any rank."""
+    data = with_empty(ragged_batches(2, 6, seed=9), [(0, 2), (0, 3), (1, 2), (1, 3)])
+    params, windows = fit(Scheduled(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    assert [w["skipped"] for w in windows] == [False, True, False]
+    seen = [tuple(step) for step in json.loads((tmp_path / "steps.json").read_text())]
+    # (global_step, LR) after each batch: the skipped window (batches 2, 3) counts a step and halves the LR
+    assert seen == [(0, LR), (1, LR * GAMMA), (1, LR * GAMMA), (2, LR * GAMMA**2), (2, LR * GAMMA**2),
+                    (3, LR * GAMMA**3)]
+    assert relative_error(params, scheduled_reference(data, 2)) < EXACT
 
 
 @pytest.mark.distributed
@@ -135,6 +199,83 @@ def test_iterable_dataset(tmp_path: Path, mode: str) -> None:
     params, _ = fit(TokenModule(data, iterable=True), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
     expected, _ = reference(data, constant(3))
     assert relative_error(params, expected) < EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# host memory: lookahead reads at most K batches ahead of the one in training, deferred nothing beyond Lightning's own
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class _CountingIterator:
+    """The loader's iterator; at every batch it yields, the number of batches read ahead: yielded and not yet started,
+    not counting the batch the loop fetches for its next step (a worker inherits the counters at zero, then counts
+    its own)."""
+
+    yielded = started = most_ahead = 0
+    in_training = False  # between a batch's on_train_batch_start and its on_train_batch_end
+
+    def __init__(self, iterator: Any) -> None:
+        self._iterator = iterator
+
+    def __iter__(self) -> _CountingIterator:
+        return self
+
+    def __next__(self) -> Any:
+        batch = next(self._iterator)
+        counter = _CountingIterator
+        counter.yielded += 1
+        ahead = counter.yielded - counter.started - (0 if counter.in_training else 1)
+        counter.most_ahead = max(counter.most_ahead, ahead)
+        return batch
+
+
+class CountingLoader(DataLoader[dict[str, Tensor]]):
+    def __iter__(self) -> Any:
+        return _CountingIterator(super().__iter__())
+
+
+class CountedReads(TokenModule):
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path, iterable: bool) -> None:
+        super().__init__(data, iterable=iterable)
+        self.out = out
+
+    def train_dataloader(self) -> DataLoader[dict[str, Tensor]]:
+        rank_batches = self.data[self.global_rank]
+        return CountingLoader(StreamDataset(rank_batches) if self.iterable else ListDataset(rank_batches),
+                              batch_size=None)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        _CountingIterator.started += 1
+        _CountingIterator.in_training = True
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        _CountingIterator.in_training = False
+
+    def on_train_end(self) -> None:
+        (self.out / f"ahead{self.global_rank}.txt").write_text(str(_CountingIterator.most_ahead))
+
+
+# (method, loader, K): what each holds ahead at most. Lightning's fetcher itself reads one batch ahead of a stream
+# (plain DDP holds 1 there, 0 on a sized loader); lookahead's rolling read-ahead reaches K ahead at every window's last
+# micro-batch (the whole next window) and never more, on either loader (Lightning's prefetch is one of the K).
+READ_AHEAD = [
+    *(("lookahead", loader, k, k) for loader in ("sized", "stream") for k in (1, 3)),
+    ("deferred", "sized", 3, 0), ("deferred", "stream", 3, 1), ("plain", "sized", 3, 0), ("plain", "stream", 3, 1),
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("method", "loader", "k", "most_ahead"), READ_AHEAD)
+def test_batches_read_ahead(tmp_path: Path, method: str, loader: str, k: int, most_ahead: int) -> None:
+    """The README's "host memory: at most K batches read ahead" (lookahead) and "nothing extra" (deferred), exactly:
+    the most batches a rank's loader yielded beyond the one in training is K in lookahead, and plain DDP's in
+    deferred mode."""
+    data = ragged_batches(2, 7, seed=12)
+    module = CountedReads(data, tmp_path, iterable=loader == "stream")
+    params, _ = fit(module, strategy_for(method), tmp_path, accumulate_grad_batches=k)
+    assert [int((tmp_path / f"ahead{rank}.txt").read_text()) for rank in (0, 1)] == [most_ahead] * 2
+    if method != "plain":
+        assert relative_error(params, reference(data, constant(k))[0]) < EXACT
 
 
 @pytest.mark.distributed
@@ -172,6 +313,61 @@ def test_sum_reduction(tmp_path: Path, mode: str, as_dict: bool) -> None:
     params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=2)
     expected, _ = reference(data, constant(2))
     assert relative_error(params, expected) < EXACT
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# what Lightning shows: the progress bar and `self.log` see the user's own micro-batch loss, never the scaled one
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class LoggedLoss(TokenModule):
+    """Logs its micro-batch loss to the progress bar and, at every batch end, writes (per rank) what Lightning shows
+    next to the loss plain torch computes from the same weights, and the tensor it returned as it is after backward.
+    """
+
+    def __init__(self, data: list[list[dict[str, Tensor]]], out: Path) -> None:
+        super().__init__(data)
+        self.out = out
+        self.rows: list[dict[str, float]] = []
+
+    def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
+        loss = token_loss(self.net, batch)
+        self.log("train_loss", loss, prog_bar=True, on_step=True, on_epoch=False, reduce_fx="mean")
+        with torch.no_grad():
+            self._plain = float(token_loss(self.net, batch))  # the same weights: nothing steps inside a window
+        self._returned = loss
+        return loss
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.rows.append({
+            "plain": self._plain,
+            "progress_bar": float(self.trainer.progress_bar_metrics["train_loss"]),
+            "callback_metrics": float(self.trainer.callback_metrics["train_loss"]),
+            "returned": float(self._returned),  # after its backward: a loss scaled in place would show here
+            "outputs_times_k": float(outputs["loss"]) * self.trainer.accumulate_grad_batches,  # Lightning's copy / K
+        })
+
+    def on_train_end(self) -> None:
+        (self.out / f"shown{self.global_rank}.json").write_text(json.dumps(self.rows))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_progress_bar_and_log_show_the_micro_batch_loss(tmp_path: Path, mode: str) -> None:
+    """The README: "Lightning's progress bar and `self.log("loss", ...)` keep showing your micro-batch loss; the
+    strategy rescales only what goes into `backward`". K = 3 with a partial last window, micro-batches far apart in
+    size, so the strategy's scale K·P·n/N (or n/D) is far from 1 on every micro-batch."""
+    data = ragged_batches(2, 7, seed=13, keep=(0.9, 0.5))
+    assert all(int((b["labels"] != -100).sum()) > 0 for rank in data for b in rank)  # no 0/0 mean to compare
+    params, _ = fit(LoggedLoss(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+    for rank in (0, 1):
+        rows = json.loads((tmp_path / f"shown{rank}.json").read_text())
+        assert len(rows) == 7, rank
+        for index, row in enumerate(rows):
+            where = f"rank {rank}, batch {index}: {row}"
+            assert row["progress_bar"] == row["callback_metrics"] == row["returned"] == row["plain"], where
+            assert row["outputs_times_k"] == pytest.approx(row["plain"], rel=1e-15), where
+    assert relative_error(params, reference(data, constant(3))[0]) < EXACT  # the strategy did scale the gradient
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -397,10 +593,6 @@ def test_count_fn_for_tuple_batches(tmp_path: Path, mode: str) -> None:
     params, _ = fit(TupleBatches(data), strategy, tmp_path, accumulate_grad_batches=2)
     expected, _ = reference(data, constant(2))
     assert relative_error(params, expected) < EXACT
-
-
-def test_denominator_error_is_a_runtime_error() -> None:
-    assert issubclass(DenominatorError, RuntimeError)
 
 
 # ---------------------------------------------------------------------------------------------------------------
