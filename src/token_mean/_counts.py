@@ -277,19 +277,8 @@ def sequence_token_means(loss_per_token: Tensor, labels: Tensor, ignore_index: i
 
     For seq-mean-token-mean: ``training_step`` returns ``sequence_token_means(...).sum()`` with
     ``count_fn=count_sequences`` and ``loss_reduction="sum"``, so a sequence without a valid token adds nothing to
-    the loss, is not counted, and puts no NaN into the gradient.
-
-    Args:
-        loss_per_token: shape ``(sequences, tokens)`` (or more leading dimensions).
-        labels: the same shape: class labels, valid where ``!= ignore_index``, or a boolean mask, valid where True.
-        ignore_index: the label that marks "not a target".
-
-    Returns:
-        A tensor of the leading shape (one value per sequence).
-
-    Raises:
-        ValueError: if the shapes differ.
-        TypeError: if ``labels`` is a floating-point tensor (pass a 0/1 mask as ``mask.bool()``).
+    the loss, is not counted, and puts no NaN into the gradient. Arguments, result and errors as for
+    :func:`sequence_token_sums`.
 
     Example:
         >>> loss = torch.tensor([[1.0, 2.0, 4.0], [8.0, 3.0, 16.0]])

@@ -173,12 +173,13 @@ class Deferred(WindowMode):
     def after_backward(self) -> WindowResult | None:
         open_ = self._open
         assert open_ is not None, "begin runs before after_backward"
-        if open_.closing is None:
-            return None
+        return None if open_.closing is None else self._end(open_.window, open_.closing)
+
+    def _end(self, window: Window, closing: Closing) -> WindowResult:
+        """After the window's last backward: the final factor into the gradient, then the window's one host read."""
         self._gradients.after_backward(self._device_factor)
-        result = open_.closing.result()
+        result = closing.result()
         self._open = None
-        window = open_.window
         global_count = result.reduced[Slot.COUNT]
         if global_count > 0 and not (math.isfinite(global_count) and math.isfinite(scale_of(1.0, global_count))):
             lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]

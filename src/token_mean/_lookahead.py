@@ -167,9 +167,11 @@ class Lookahead(WindowMode):
     def after_backward(self) -> WindowResult | None:
         open_ = self._open
         assert open_ is not None, "begin runs before after_backward"
-        if open_.closing is None:
-            return None
-        result = open_.closing.result()
+        return None if open_.closing is None else self._end(open_, open_.closing)
+
+    def _end(self, open_: _Open, closing: Closing) -> WindowResult:
+        """After the window's last backward: the one host read, which also brings the next window's counts."""
+        result = closing.result()
         window, counts = open_.window, open_.counts
         # the next window's counts arrived with this window's record: every problem is raised before this update
         stop = counts.stop + len(open_.next_local)

@@ -6,7 +6,7 @@ import csv
 import json
 import math
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
@@ -157,10 +157,9 @@ def _check_columns(path: Path, columns: list[str], line: int | None = None) -> N
 def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dict[int, TraceRow]:
     """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
 
-    Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step. The
-    read is one pass in linear time: 0.6-0.8 s for 100,000 steps, CSV or JSON Lines, on one core of a shared 2-core
-    AMD EPYC (``tests/test_trace.py`` reads such a trace). A UTF-8 byte-order mark is accepted; anything
-    else the writer would not have written is an error naming the file and the line. ``argument`` names the file in
+    Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step, in
+    one linear pass (``tests/test_trace.py`` reads 100,000 steps). A UTF-8 byte-order mark is accepted; anything else
+    the writer would not have written is an error naming the file and the line. ``argument`` names the file in
     messages (the monitor's ``reference``, or a command line's argument).
 
     Raises:
@@ -188,17 +187,7 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
         >>> folder.cleanup()
     """
     path = Path(path)
-    fmt = trace_format(path, argument)
-    if path.is_dir():
-        raise IsADirectoryError(
-            f"The {argument} trace {str(path)!r} is a directory. Pass the file that"
-            " `DenominatorMonitor(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
-        )
-    if not path.exists():
-        raise FileNotFoundError(
-            f"The {argument} trace {str(path)!r} does not exist. Record one first with"
-            f" `DenominatorMonitor(record={str(path)!r})`, and make it readable on every rank."
-        )
+    fmt = _readable_format(path, argument)
     trace: dict[int, TraceRow] = {}
     previous: int | None = None
     with path.open("rb") as file:
@@ -213,20 +202,36 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
                     f"step {step} follows step {previous}; steps must increase. Was the file appended to by two"
                     " runs? Record the reference again.",
                 )
-            row = {
-                column: _number(raw, path, line, column)
-                for column, raw in zip(COMPARED_COLUMNS, raw_values, strict=True)
-            }
-            count = row["global_count"]
-            if count is None:
-                raise _malformed(path, line, "`global_count` is empty.")
-            if not (math.isfinite(count) and count >= 0):
-                raise _malformed(path, line, f"`global_count` must be a finite count >= 0, got {count!r}.")
-            trace[step] = row
+            trace[step] = _row(raw_values, path, line)
             previous = step
     if not trace:
         raise ValueError(f"The trace {str(path)!r} holds no step. Was the reference run stopped before its first step?")
     return trace
+
+
+def _readable_format(path: Path, argument: str) -> str:
+    fmt = trace_format(path, argument)
+    if path.is_dir():
+        raise IsADirectoryError(
+            f"The {argument} trace {str(path)!r} is a directory. Pass the file that"
+            " `DenominatorMonitor(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
+        )
+    if not path.exists():
+        raise FileNotFoundError(
+            f"The {argument} trace {str(path)!r} does not exist. Record one first with"
+            f" `DenominatorMonitor(record={str(path)!r})`, and make it readable on every rank."
+        )
+    return fmt
+
+
+def _row(raw_values: Sequence[object], path: Path, line: int) -> TraceRow:
+    row = {column: _number(raw, path, line, column) for column, raw in zip(COMPARED_COLUMNS, raw_values, strict=True)}
+    count = row["global_count"]
+    if count is None:
+        raise _malformed(path, line, "`global_count` is empty.")
+    if not (math.isfinite(count) and count >= 0):
+        raise _malformed(path, line, f"`global_count` must be a finite count >= 0, got {count!r}.")
+    return row
 
 
 class TraceWriter:

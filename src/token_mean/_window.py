@@ -10,6 +10,7 @@ rank raised a problem. Everything per micro-batch stays on the device, detached,
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -73,21 +74,17 @@ class WindowStats:
     @property
     def imbalance(self) -> float | None:
         """max n_r / mean n_r (1.0 is perfectly even; 0.0 when N = 0; ``None`` without ``rank_counts``)."""
-        if self.rank_counts is None:
-            return None
-        if self.global_count == 0:
-            return 0.0
-        return max(self.rank_counts) * len(self.rank_counts) / self.global_count
+        return self._per_rank(lambda counts, size: max(counts) * size / self.global_count)
 
     @property
     def naive_weight_error(self) -> float | None:
         """max_r |P·n_r/N − 1|: how far a plain mean of rank means would have mis-weighted a rank's items."""
+        return self._per_rank(lambda counts, size: max(abs(size * n / self.global_count - 1.0) for n in counts))
+
+    def _per_rank(self, figure: Callable[[tuple[float, ...], int], float]) -> float | None:
         if self.rank_counts is None:
             return None
-        if self.global_count == 0:
-            return 0.0
-        size = len(self.rank_counts)
-        return max(abs(size * n / self.global_count - 1.0) for n in self.rank_counts)
+        return 0.0 if self.global_count == 0 else figure(self.rank_counts, len(self.rank_counts))
 
 
 class Window:

@@ -35,38 +35,24 @@ from token_mean._window import WindowStats
 class DenominatorMonitor(Callback):
     r"""Log, per optimizer step, the global denominator N the update used, and compare the run with a reference.
 
-    At the end of every accumulation window (one optimizer step, not every micro-batch) the monitor logs, under
-    ``prefix``:
+    At the end of every accumulation window the monitor logs, under ``prefix``: ``global_count`` (N), the per-rank
+    counts' ``rank_count_min``/``max``/``mean``, ``window_length``, ``imbalance`` (max n_r / mean n_r),
+    ``naive_weight_error`` (max_r \|P·n_r/N − 1\|: how much a mean of rank means mis-weights a rank), the exact
+    token-mean ``loss`` (Σ loss sums / N), ``aux_loss`` when ``training_step`` returns one, ``items_per_sec``, and,
+    without a token-mean strategy, ``naive_loss`` (what plain DDP differentiated). Under a
+    :class:`~token_mean.TokenMeanStrategy` the numbers are the strategy's ``last_window`` (P more floats in each
+    window's record, no collective of its own); under any other strategy the monitor measures them itself (one
+    all-reduce per window, and a bad count raises the same :class:`~token_mean.DenominatorError` on every rank).
+    Metrics go to ``trainer.loggers`` from rank zero under the step Lightning logs the batch's own ``self.log``
+    values under, when Lightning logs them or every ``logging_interval`` steps.
 
-    - ``global_count``: N, the valid items of the window over all ranks and micro-batches;
-    - ``rank_count_min``, ``rank_count_max``, ``rank_count_mean``: the per-rank counts n_r;
-    - ``window_length``: the micro-batches of the window (short for the last window of an epoch);
-    - ``imbalance``: max n_r / mean n_r (1.0 when even);
-    - ``naive_weight_error``: max_r \|P·n_r/N − 1\|, how much a plain mean of rank means mis-weights a rank;
-    - ``loss``: the exact global token-mean loss of the window, Σ loss sums / N (left out when N = 0);
-    - ``aux_loss``: when ``training_step`` returns an ``"aux_loss"``, its mean over the window's real micro-batches;
-    - ``items_per_sec``: N over the window's wall time, from the start of its first micro-batch to the end of its last;
-    - ``naive_loss`` (only without a token-mean strategy): the loss plain DDP differentiated, the mean over ranks of
-      the sum of Lightning's per-micro-batch losses divided by ``accumulate_grad_batches``;
-    - ``reference_divergence`` (only with ``on_divergence="log"``): 1.0 at a step that diverges, else 0.0.
-
-    Under a :class:`~token_mean.TokenMeanStrategy` the numbers are the strategy's ``last_window`` and the monitor adds
-    no collective (it asks the strategy for every rank's count: P more floats in each window's record). Under any
-    other strategy the monitor measures them itself: ``count_fn(batch)`` and the micro-batch loss, kept on the device,
-    then one all-reduce of a window record per optimizer step (a bad count raises the same
-    :class:`~token_mean.DenominatorError` on every rank). Metrics go to ``trainer.loggers`` from rank zero under the
-    step Lightning logs the batch's own ``self.log`` values under (``trainer.global_step`` before the update), when
-    Lightning logs them (``log_every_n_steps``) or every ``logging_interval`` steps.
-
-    Traces: ``record="ref.csv"`` (or ``.jsonl``) writes one row per optimizer step from rank zero: ``step``,
-    ``global_count``, ``loss``, ``grad_norm`` (the L2 norm of the gradient in ``on_before_optimizer_step``, after
-    normalization and before clipping) and ``param_norm`` (of all parameters after the update), and for reading only
-    ``world_size``, ``window_length``, ``imbalance``, ``naive_weight_error``. ``reference="ref.csv"`` compares each
-    step with that trace, in that column order, and reports the first step and quantity outside
-    ``atol + rtol·|reference|`` (N within a relative 1e-9). Recording or comparing costs one pass over the gradients
-    and one over the parameters per step (norms in at least float32, combined in float64) and one device-to-host copy
-    of two numbers. Every rank reads the reference and compares (the numbers are the same on every rank), so with
-    ``on_divergence="raise"`` all ranks raise together; the trace file must be readable on every rank.
+    ``record="ref.csv"`` (or ``.jsonl``) writes one trace row per step from rank zero (``step``, ``global_count``,
+    ``loss``, ``grad_norm`` before clipping, ``param_norm`` after the update, and for reading only ``world_size``,
+    ``window_length``, ``imbalance``, ``naive_weight_error``); ``reference="ref.csv"`` compares each step with such
+    a trace and reports the first step and quantity outside ``atol + rtol·|reference|`` (N within a relative 1e-9).
+    Recording or comparing costs one pass over the gradients and one over the parameters per step and one
+    device-to-host copy. Every rank compares, so with ``on_divergence="raise"`` all ranks raise together; the trace
+    file must be readable on every rank. The metrics and costs are detailed in ``docs/monitor.md``.
 
     Args:
         count_fn: the valid items of one micro-batch, used only without a token-mean strategy. Defaults to the
@@ -111,16 +97,7 @@ class DenominatorMonitor(Callback):
         atol: float = 1e-6,
         on_divergence: OnDivergence = "warn",
     ) -> None:
-        if count_fn is not None and not callable(count_fn):
-            raise TypeError(
-                f"`count_fn` must be a callable batch -> count, got {type(count_fn).__name__}: {count_fn!r}."
-                " Pass e.g. `count_fn=lambda batch: (batch['labels'] != -100).sum()`, or leave it out."
-            )
-        if loss_reduction not in (None, "mean", "sum"):
-            raise ValueError(
-                f"`loss_reduction` must be 'mean' (training_step returns the mean loss) or 'sum', got"
-                f" {loss_reduction!r}."
-            )
+        _check_measurement(count_fn, loss_reduction)
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -240,10 +217,6 @@ class DenominatorMonitor(Callback):
         return (step + 1) % self.logging_interval == 0 or trainer.should_stop
 
     @override
-    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._close()
-
-    @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
         self._close()
 
@@ -254,6 +227,18 @@ class DenominatorMonitor(Callback):
     def _close(self) -> None:
         if self._observer is not None:
             self._observer.close()
+
+
+def _check_measurement(count_fn: object, loss_reduction: object) -> None:
+    if count_fn is not None and not callable(count_fn):
+        raise TypeError(
+            f"`count_fn` must be a callable batch -> count, got {type(count_fn).__name__}: {count_fn!r}."
+            " Pass e.g. `count_fn=lambda batch: (batch['labels'] != -100).sum()`, or leave it out."
+        )
+    if loss_reduction not in (None, "mean", "sum"):
+        raise ValueError(
+            f"`loss_reduction` must be 'mean' (training_step returns the mean loss) or 'sum', got {loss_reduction!r}."
+        )
 
 
 class _Measuring:

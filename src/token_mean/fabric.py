@@ -18,6 +18,12 @@ changes in five lines:
                 fabric.clip_gradients(model, optimizer, max_norm=1.0)
                 optimizer.step()
             optimizer.zero_grad()
+
+Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
+(FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh, the count reduced over the
+data-parallel ranks and checked to agree over the tensor-parallel ones). FSDP1 (``FSDPStrategy``) and DeepSpeed are
+refused: FSDP1 needs a GPU this package is not tested on, and Fabric's ``no_backward_sync`` does nothing under
+DeepSpeed.
 """
 
 from __future__ import annotations
@@ -87,6 +93,13 @@ class _InFlight:
                 f" {self.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
             )
 
+    def saved(self) -> None:
+        if not self.finished:
+            raise RuntimeError(
+                "`accumulator.state_dict()` in the middle of a window: its partial gradient is not saved. Save after"
+                " `accumulator.finish()` and the optimizer step."
+            )
+
     def check_sync(self, flags: Sequence[bool]) -> None:
         """The model reduces the gradient in the window's last backward, and only there (host-side flags)."""
         if flags and set(flags) != {self.last}:
@@ -107,11 +120,7 @@ class TokenMeanAccumulator:
     read between the window's first forward and its last backward. Every rank yields as many batches: a rank whose
     loader runs out repeats its last batch at weight zero (:attr:`is_filler`).
 
-    Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
-    (FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh, the count reduced over
-    the data-parallel ranks and checked to agree over the tensor-parallel ones). FSDP1 (``FSDPStrategy``) and
-    DeepSpeed are refused: FSDP1 needs a GPU this package is not tested on, and Fabric's ``no_backward_sync`` does
-    nothing under DeepSpeed.
+    Strategies: one device, ``DDPStrategy`` and ``ModelParallelStrategy`` (see the module docstring).
 
     Args:
         fabric: the launched ``Fabric``.
@@ -174,9 +183,6 @@ class TokenMeanAccumulator:
         self._resume_position = 0  # batches of the pass to skip, from a checkpoint
         self._last_window: WindowStats | None = None
 
-    # -------------------------------------------------------------------------------------------------------------
-    # what the loop reads
-    # -------------------------------------------------------------------------------------------------------------
 
     @property
     def accumulating(self) -> bool:
@@ -203,17 +209,11 @@ class TokenMeanAccumulator:
             raise RuntimeError(f"{what} is only defined for a batch that `accumulator.batches(...)` yielded.")
         return self._in_flight
 
-    # -------------------------------------------------------------------------------------------------------------
-    # the loop
-    # -------------------------------------------------------------------------------------------------------------
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches).
-
-        Every rank yields as many batches (shorter ranks repeat their last batch at weight zero). A sized iterable
-        costs one collective at the start of the pass (the ranks agree on its length); a stream's end is agreed
-        window by window.
-        """
+        """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
+        rank yields as many batches. A sized iterable costs one collective at the pass's start (the ranks agree on its
+        length); a stream's end is agreed window by window."""
         if self._iterating:
             raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
         return self._pass(iterable)
@@ -221,7 +221,12 @@ class TokenMeanAccumulator:
     def _pass(self, iterable: Iterable[Any]) -> Iterator[Any]:
         self._iterating = True
         try:
-            reader = self._start_pass(iterable)
+            self._passes += 1
+            start, self._resume_position = self._resume_position, 0
+            reader = _reader(iterable, start, self._mode, self._settings.pad_uneven_ranks)
+            self._mode.start_epoch(reader)
+            if self._monitor is not None:
+                self._monitor.start(self._fabric)
             position = reader.position
             while True:
                 self._check_previous_batch()
@@ -241,22 +246,6 @@ class TokenMeanAccumulator:
             self._in_flight = None
             if self._monitor is not None:
                 self._monitor.stepped(self._model)
-
-    def _start_pass(self, iterable: Iterable[Any]) -> Reader:
-        self._passes += 1
-        start, self._resume_position = self._resume_position, 0
-        local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
-        length = agree_on_length(self._mode.channel, local, self._settings.pad_uneven_ranks)
-        iterator = iter(iterable)
-        skipped = _skip(iterator, start)  # resuming mid-pass: the batches the checkpoint's windows trained
-        reader = Reader(lambda: (next(iterator),), None, lambda: start)
-        if skipped is not None:  # this rank had run out: its last batch is repeated at weight zero
-            reader.adopt([skipped])
-        reader.start_epoch(length, resumed_exhausted=skipped is not None)
-        self._mode.start_epoch(reader)
-        if self._monitor is not None:
-            self._monitor.start(self._fabric)
-        return reader
 
     def _check_previous_batch(self) -> None:
         flight = self._in_flight
@@ -285,12 +274,9 @@ class TokenMeanAccumulator:
             self._mode.after_backward()
 
     def finish(self) -> WindowStats:
-        """After the window's last backward: its stats (the window's one host read).
-
-        The gradient is then the window's exact token mean (before clipping). Every rank raises the same
-        :class:`~token_mean.DenominatorError` here if any rank had a problem (a bad count, a NaN loss, ranks out of
-        step). A window with N = 0 on every rank has ``skipped`` True: do not step the optimizer for it.
-        """
+        """After the window's last backward: its stats (the window's one host read). The gradient is then the
+        window's exact token mean; every rank raises the same :class:`~token_mean.DenominatorError` here if any rank
+        had a problem. A window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
         flight = self._flight("`accumulator.finish()`")
         flight.finish()
         ended = self._mode.after_backward()
@@ -302,10 +288,6 @@ class TokenMeanAccumulator:
             self._monitor.finished(self._model, ended.stats)
         return ended.stats
 
-    # -------------------------------------------------------------------------------------------------------------
-    # checkpoints
-    # -------------------------------------------------------------------------------------------------------------
-
     def state_dict(self) -> dict[str, Any]:
         """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
 
@@ -313,11 +295,8 @@ class TokenMeanAccumulator:
             RuntimeError: in the middle of a window (Fabric saves no partial gradient): save after ``finish()``.
         """
         flight = self._in_flight
-        if flight is not None and not flight.finished:
-            raise RuntimeError(
-                "`accumulator.state_dict()` in the middle of a window: its partial gradient is not saved. Save after"
-                " `accumulator.finish()` and the optimizer step."
-            )
+        if flight is not None:
+            flight.saved()
         return {
             "mode": self._mode.state_dict(),
             "passes": self._passes - (flight is not None),  # a pass resumed goes on as the same pass
@@ -439,6 +418,20 @@ def _layout(fabric: Any, forward: Any, original: Any) -> tuple[Layout, SyncFlags
         f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: use one device, `DDPStrategy` or"
         " `ModelParallelStrategy`."
     )
+
+
+def _reader(iterable: Iterable[Any], start: int, mode: WindowMode, pad_uneven_ranks: bool) -> Reader:
+    """A pass's reader over ``iterable`` from position ``start`` (a resumed pass skips the batches trained before):
+    the ranks agree on the pass's length first (one collective; a stream's end is agreed window by window)."""
+    local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
+    length = agree_on_length(mode.channel, local, pad_uneven_ranks)
+    iterator = iter(iterable)
+    skipped = _skip(iterator, start)
+    reader = Reader(lambda: (next(iterator),), None, lambda: start)
+    if skipped is not None:  # this rank had run out: its last batch is repeated at weight zero
+        reader.adopt([skipped])
+    reader.start_epoch(length, resumed_exhausted=skipped is not None)
+    return reader
 
 
 def _length(iterable: Iterable[Any]) -> int | None:

@@ -23,6 +23,7 @@ import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from token_mean._compare import COUNT_RTOL
 from token_mean._compare import close as _close
@@ -117,46 +118,45 @@ def plot_traces(
             f"The traces share no step: {str(run_path)!r} holds steps {min(run)}..{max(run)}, {str(reference_path)!r}"
             f" holds {min(reference)}..{max(reference)}. Are they from the same configuration?"
         )
+    _draw(run, reference, comparison, (Path(run_path), Path(reference_path)), output, (rtol, atol))
+    return comparison
+
+
+def _draw(
+    run: dict[int, TraceRow],
+    reference: dict[int, TraceRow],
+    comparison: Comparison,
+    paths: tuple[Path, Path],
+    output: Path,
+    tolerances: tuple[float, float],
+) -> None:
+    """The three panels: both losses; |Δ loss| against the tolerance; both runs' N."""
     try:
         import matplotlib
     except ImportError:  # an optional dependency: the monitor itself never draws
         raise ModuleNotFoundError(
-            "Drawing traces needs matplotlib: `pip install matplotlib` (the package's `dev` extra has it)."
+            "Drawing traces needs matplotlib: `pip install 'lightning-token-mean[plot]'` (or `pip install matplotlib`)."
         ) from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
 
-    run_steps, reference_steps, steps = sorted(run), sorted(reference), comparison.steps
-    run_label, reference_label = f"run: {Path(run_path).name}", f"reference: {Path(reference_path).name}"
+    run_steps, reference_steps = sorted(run), sorted(reference)
+    run_label, reference_label = f"run: {paths[0].name}", f"reference: {paths[1].name}"
     figure, (loss_axes, delta_axes, count_axes) = plt.subplots(
         3, 1, sharex=True, figsize=(10, 9), height_ratios=(3, 2, 1.5)
     )
     reference_style = {"color": "black", "linewidth": 3.5, "alpha": 0.3}
-    loss_axes.plot(reference_steps, _values(reference, "loss", reference_steps), label=reference_label,
-                   **reference_style)
-    loss_axes.plot(run_steps, _values(run, "loss", run_steps), color="tab:blue", linewidth=1.3, label=run_label)
+    for axes, column, style in ((loss_axes, "loss", {}), (count_axes, "global_count", {"drawstyle": "steps-mid"})):
+        axes.plot(reference_steps, _values(reference, column, reference_steps), label=reference_label,
+                  **reference_style, **style)
+        axes.plot(run_steps, _values(run, column, run_steps), color="tab:blue", linewidth=1.3, label=run_label,
+                  **style)
     loss_axes.set_ylabel("loss: token mean of the step")
-    loss_axes.set_title(f"{Path(run_path)} against {Path(reference_path)}", fontsize="medium")
+    loss_axes.set_title(f"{paths[0]} against {paths[1]}", fontsize="medium")
     loss_axes.legend(loc="upper right")
-
-    reference_loss = _values(reference, "loss", steps)
-    # A step that matches exactly (0) has no place on a log scale: left out rather than drawn at a made-up floor.
-    deltas = [abs(a - b) or math.nan for a, b in zip(_values(run, "loss", steps), reference_loss, strict=True)]
-    delta_axes.plot(steps, deltas, color="tab:blue", linewidth=1.3, label="|run loss − reference loss|")
-    tolerance = [atol + rtol * abs(loss) for loss in reference_loss]
-    delta_axes.plot(steps, tolerance, color="grey", linestyle=":", label=f"tolerance {atol:g} + {rtol:g}·|reference|")
-    if any(value > 0 for value in (*deltas, *tolerance)):  # NaN compares False: skipped
-        delta_axes.set_yscale("log")
-    delta_axes.set_ylabel("|Δ loss|")
-    delta_axes.legend(loc="best", fontsize="small")
-
-    count_axes.plot(reference_steps, _values(reference, "global_count", reference_steps), drawstyle="steps-mid",
-                    label=reference_label, **reference_style)
-    count_axes.plot(run_steps, _values(run, "global_count", run_steps), drawstyle="steps-mid", color="tab:blue",
-                    linewidth=1.3, label=run_label)
     count_axes.set_ylabel("N per step")
     count_axes.set_xlabel("optimizer step")
-
+    _draw_deltas(delta_axes, run, reference, comparison.steps, tolerances)
     if comparison.divergent_step is not None:
         for axes in (loss_axes, delta_axes, count_axes):
             axes.axvline(comparison.divergent_step, color="tab:red", linestyle=":", linewidth=1)
@@ -171,7 +171,23 @@ def plot_traces(
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
     plt.close(figure)
-    return comparison
+
+
+def _draw_deltas(
+    axes: Any, run: dict[int, TraceRow], reference: dict[int, TraceRow], steps: list[int],
+    tolerances: tuple[float, float],
+) -> None:
+    rtol, atol = tolerances
+    reference_loss = _values(reference, "loss", steps)
+    # A step that matches exactly (0) has no place on a log scale: left out rather than drawn at a made-up floor.
+    deltas = [abs(a - b) or math.nan for a, b in zip(_values(run, "loss", steps), reference_loss, strict=True)]
+    axes.plot(steps, deltas, color="tab:blue", linewidth=1.3, label="|run loss − reference loss|")
+    tolerance = [atol + rtol * abs(loss) for loss in reference_loss]
+    axes.plot(steps, tolerance, color="grey", linestyle=":", label=f"tolerance {atol:g} + {rtol:g}·|reference|")
+    if any(value > 0 for value in (*deltas, *tolerance)):  # NaN compares False: skipped
+        axes.set_yscale("log")
+    axes.set_ylabel("|Δ loss|")
+    axes.legend(loc="best", fontsize="small")
 
 
 def _parser() -> argparse.ArgumentParser:
