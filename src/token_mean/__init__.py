@@ -24,6 +24,7 @@ from token_mean._counts import (
 from token_mean._filler import in_filler_batch
 from token_mean._hooks import TokenMeanStrategy
 from token_mean._mode import LossReduction, Mode
+from token_mean._observe import OnDivergence
 from token_mean._problems import DenominatorError
 from token_mean._window import WindowStats
 from token_mean.callback import DenominatorMonitor
@@ -43,6 +44,7 @@ __all__ = [
     "ExactDistributedSampler",
     "LossReduction",
     "Mode",
+    "OnDivergence",
     "TokenMeanDDPStrategy",
     "TokenMeanLoss",
     "TokenMeanModelParallelStrategy",

@@ -46,7 +46,6 @@ class _Open:
     window: Window
     last: bool = False  # the micro-batch in flight is the window's last
     filler: bool = False
-    items: Tensor | None = None  # of the micro-batch in flight: its count (mean) or whether it has items (sum)
     unit: Tensor | None = None  # divisor / D, computed once per window at its first backward
     closing: Closing | None = None  # its exchange, from its last forward on
     factor: Tensor | None = None  # D/N, computed once, during the last backward
@@ -104,7 +103,6 @@ class Deferred(WindowMode):
         window.add(count, None if open_.filler else output.loss, open_.filler)
         if self._provisional is None:
             self._provisional = self._first_provisional(count * window.accumulate)
-        open_.items = count if self.settings.loss_reduction == "mean" else (count > 0).to(count.dtype)
         if open_.last:
             open_.closing = self._close(window, Values(self._peek(window)))
 
@@ -146,13 +144,15 @@ class Deferred(WindowMode):
 
     def scale(self, loss: Tensor, divisor: float, aux_loss: Tensor | None) -> Tensor:
         open_ = self._open
-        assert open_ is not None and open_.items is not None and self._provisional is not None, "after a forward"
+        assert open_ is not None and self._provisional is not None, "after_forward runs before scale"
         if open_.unit is None:  # D only changes between windows: once per window, not per micro-batch
             open_.unit = divisor / self._provisional
         # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
         # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
         # (the forward value stays NaN, as under plain DDP).
-        return loss * (open_.items * open_.unit)
+        count = open_.window.last_count
+        items = count if self.settings.loss_reduction == "mean" else (count > 0).to(count.dtype)
+        return loss * (items * open_.unit)
 
     def gradient_factor(self) -> Tensor | float:
         """D/N for the reduction of the window's last backward; waits for the exchange on the device."""

@@ -139,6 +139,11 @@ class Window:
         return set(self._flags)
 
     @property
+    def last_count(self) -> Tensor:
+        """The count of the micro-batch added last."""
+        return self._counts[-1]
+
+    @property
     def has_aux(self) -> bool:
         """Whether a micro-batch returned an 'aux_loss'."""
         return bool(self._aux)
