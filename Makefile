@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast lint bench clean
+.PHONY: demo test test-fast stress lint bench clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,11 @@ test: $(STAMP)
 # Development lane: everything but the tests that launch real subprocesses (`slow`); doctests included.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# Every test file that starts processes, 20 consecutive runs each (a test that fails one run in twenty is a defect):
+# about three hours on 2 cores. `tests/stress.py --help` for fewer runs, some files, or only the fast lane.
+stress: $(STAMP)
+	$(PY) tests/stress.py --runs 20
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
