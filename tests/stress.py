@@ -13,6 +13,7 @@ Exit status 0 only when every run of every file passed.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import re
 import signal
@@ -42,10 +43,8 @@ def run_once(path: Path, fast: bool, limit: float, log: Path) -> tuple[bool, flo
         except subprocess.TimeoutExpired:
             code = -1
         finally:
-            try:
-                os.killpg(process.pid, signal.SIGKILL)  # whatever the run started, its workers included
-            except ProcessLookupError:
-                pass
+            with contextlib.suppress(ProcessLookupError):  # whatever the run started, its workers included
+                os.killpg(process.pid, signal.SIGKILL)
             process.wait()
     return code == 0, time.monotonic() - started
 
