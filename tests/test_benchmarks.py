@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _gpu import cuda_devices
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
@@ -30,11 +31,15 @@ def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     assert completed.returncode == 0, f"{name}.py exited {completed.returncode}:\n{completed.stderr[-3000:]}"
     assert markdown.read_text().count("|") > 10, "no markdown table written"
     payload: dict[str, Any] = json.loads(out.read_text())
+    assert_environment(payload, name)
+    return payload
+
+
+def assert_environment(payload: dict[str, Any], name: str) -> None:
     environment = payload["environment"]
     assert isinstance(environment, dict)
     for key in ("date", "cpu", "cores", "torch", "lightning", "configuration"):
         assert key in environment, f"{name}.json lacks environment[{key!r}]"
-    return payload
 
 
 @pytest.mark.distributed
@@ -125,3 +130,38 @@ def test_quick_runs_never_write_the_recorded_results() -> None:
     wrote = completed.stdout.strip().splitlines()[-1]
     assert wrote.startswith("wrote ") and str(RESULTS) not in wrote, wrote
     assert {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()} == before
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_gpu_step_quick() -> None:
+    """The GPU benchmark's CPU smoke run (tiny model, 2 gloo processes), with its default paths: a temporary folder."""
+    before = {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()}
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_step.py"), "--quick"], capture_output=True, text=True, timeout=180
+    )
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    wrote = [line for line in completed.stdout.splitlines() if line.startswith("wrote ")]
+    assert len(wrote) == 1 and str(RESULTS) not in wrote[0], wrote
+    assert {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()} == before
+    _, json_path, _, markdown_path, *_ = wrote[0].split()
+    assert Path(markdown_path).read_text().count("|") > 10, "no markdown table written"
+    payload: dict[str, Any] = json.loads(Path(json_path).read_text())
+    assert_environment(payload, "gpu_step")
+    assert payload["environment"]["gpu"]["available"] is False
+    assert payload["environment"]["configuration"]["quick"] is True
+    assert [row["method"] for row in payload["rows"]] == ["plain", "lookahead", "deferred"]
+    for key in ("ratio_lookahead", "ratio_deferred"):
+        assert isinstance(payload[key], float) and payload[key] > 0, (key, payload[key])
+    counts = [fit["global_counts"] for fit in payload["fits"] if fit["method"] != "plain"]
+    assert all(len(set(steps)) > 1 for steps in counts), "every step held as many target tokens: not ragged"
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(cuda_devices() > 0, reason="the refusal only happens without CUDA")
+def test_gpu_step_refuses_to_run_without_cuda() -> None:
+    completed = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "gpu_step.py")], capture_output=True, text=True, timeout=180
+    )
+    assert completed.returncode == 2, completed.stderr[-3000:]
+    assert "no CUDA device" in completed.stderr and "--quick" in completed.stderr

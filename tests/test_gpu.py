@@ -1,0 +1,214 @@
+"""The GPU lane: the CUDA and NCCL paths no CPU run reaches, each test skipped without CUDA (marker ``gpu``).
+
+- Deferred mode under DDP on NCCL folds D/N into DDP's bucket all-reduce as ``PREMUL_SUM`` (gloo takes the in-place
+  scale instead): every bucket all-reduce of its comm hook takes that branch, and the result is the float64
+  reference's at 1e-12 (the harness model is float64, which NCCL reduces natively).
+- Lookahead under DDP on NCCL, both modes under FSDP2 (``TokenMeanModelParallelStrategy``, one data-parallel rank per
+  GPU) on NCCL: exact against the same reference; plain ``DDPStrategy`` and ``ModelParallelStrategy`` miss it.
+- Fingerprints: ``global_norm`` of CUDA tensors, the fused ``torch._foreach_norm`` path, is within 1e-6 of the float64
+  norm for float32 and bfloat16.
+- No synchronizing CUDA operation of the package between a window's first forward and its last backward, in either
+  mode, under DDP and FSDP2 (``torch.cuda.set_sync_debug_mode``), with a control that reads on the host and is seen.
+
+The fits run under Lightning's subprocess launcher (``tests/scripts/gpu_token_mean.py``, one process per GPU: at most
+2 for DDP, all of them for FSDP2); on one GPU, a one-process job still runs NCCL, DDP's reducer and the comm hook.
+Each fit runs once and serves every test that reads it. CUDA is never initialized in the pytest process itself
+(``tests/_gpu.py``), so the CPU tests can still fork their workers in the same session.
+
+    pytest -m gpu tests/test_gpu.py       # on a machine with CUDA (about 1-2 min on one GPU)
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _gpu import NORM_CASES, cuda_devices, cuda_norm_cases, in_spawned_process, requires_cuda
+from _harness import EXACT, MODES, constant, reference, relative_error
+from torch import Tensor
+
+SCRIPT = Path(__file__).parent / "scripts" / "gpu_token_mean.py"
+sys.path.insert(0, str(SCRIPT.parent))
+from gpu_token_mean import ACCUMULATE, METHODS, STEADY, data  # noqa: E402 (the script's directory, just added)
+
+LAUNCH_TIMEOUT = 240  # seconds per fit: process start, CUDA and NCCL initialization dominate a 12-batch fit
+
+
+def devices_for(strategy: str) -> int:
+    """DDP: 2 processes where there are 2 GPUs, else 1; FSDP2: one data-parallel rank per GPU."""
+    return min(cuda_devices(), 2) if strategy == "ddp" else cuda_devices()
+
+
+@dataclass(frozen=True)
+class Run:
+    devices: int
+    params: dict[str, Tensor]
+    windows: list[dict[str, Any]]
+    ranks: list[dict[str, Any]]  # every rank's comm hook counts, window lengths and syncs (gpu_token_mean.py)
+
+
+class Runs:
+    """Each fit once, launched when a test first asks for it; a failed launch fails every test that reads it."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._runs: dict[tuple[str, str, bool], Run | str] = {}
+
+    def get(self, strategy: str, method: str, reads: bool = False) -> Run:
+        key = (strategy, method, reads)
+        if key not in self._runs:
+            self._runs[key] = self._launch(*key)
+        run = self._runs[key]
+        if isinstance(run, str):
+            pytest.fail(run, pytrace=False)
+        return run
+
+    def _launch(self, strategy: str, method: str, reads: bool) -> Run | str:
+        devices = devices_for(strategy)
+        out = self.root / f"{strategy}-{method}{'-reads' if reads else ''}"
+        command = [sys.executable, str(SCRIPT), str(out), "--strategy", strategy, "--method", method,
+                   "--devices", str(devices), *(["--reads"] if reads else [])]
+        try:
+            completed = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired as error:
+            return f"{' '.join(command[1:])} ran past {LAUNCH_TIMEOUT} s:\n{str(error.stderr or '')[-4000:]}"
+        if completed.returncode != 0:
+            return f"{' '.join(command[1:])} exited {completed.returncode}:\n{completed.stderr[-6000:]}"
+        params = torch.load(out / "params.pt", weights_only=True)
+        return Run(
+            devices,
+            {k.removeprefix("net."): v for k, v in params.items()},
+            json.loads((out / "windows.json").read_text()),
+            [json.loads((out / f"rank{rank}.json").read_text()) for rank in range(devices)],
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    return Runs(tmp_path_factory.mktemp("gpu-runs"))
+
+
+def assert_matches_reference(run: Run, method: str, what: str) -> None:
+    expected, counts = reference(data(run.devices), constant(ACCUMULATE))
+    error = relative_error(run.params, expected)
+    if method == "plain":
+        assert error > 1e-6, f"plain {what} matched the token mean on CUDA: the test could not fail"
+        return
+    assert error < EXACT, f"{method} under {what} on {run.devices} GPU(s): relative parameter error {error:.3e}"
+    assert [w["global_count"] for w in run.windows] == counts
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# DDP on NCCL
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_ddp_on_nccl_matches_the_reference(runs: Runs, method: str) -> None:
+    assert_matches_reference(runs.get("ddp", method), method, "DDP")
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+def test_deferred_scales_inside_nccls_all_reduce(runs: Runs) -> None:
+    """Every bucket all-reduce of a window's last backward goes through the comm hook and takes ``PREMUL_SUM``."""
+    run = runs.get("ddp", "deferred")
+    windows = len(run.windows)
+    assert windows == 4
+    for rank in run.ranks:
+        hooks, premul = rank["hook_calls"], rank["premul_sum_calls"]
+        # DDP calls the hook once per bucket in each window's last backward (the others run under `no_sync`)
+        assert hooks >= windows and hooks % windows == 0, f"rank {rank['rank']}: {hooks} hook calls, {windows} windows"
+        assert premul == hooks, f"rank {rank['rank']}: {premul} of {hooks} bucket all-reduces took PREMUL_SUM"
+    lookahead = runs.get("ddp", "lookahead")
+    assert all(rank["hook_calls"] == 0 for rank in lookahead.ranks), "lookahead left DDP's own all-reduce alone"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# FSDP2 on NCCL
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("method", METHODS)
+def test_fsdp2_on_nccl_matches_the_reference(runs: Runs, method: str) -> None:
+    """``AfterReduction``'s shard multiply (deferred) and the scaled losses (lookahead) after FSDP2's NCCL
+    reduce-scatter, one data-parallel rank per GPU."""
+    assert_matches_reference(runs.get("fsdp2", method), method, "ModelParallelStrategy (FSDP2)")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# no host sync inside a window
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def describe(syncs: list[dict[str, Any]]) -> str:
+    return "\n".join(f"window {s['window']} ({s['phase']}): {s['where']}\n{s['stack']}" for s in syncs[:6])
+
+
+def step_syncs(rank: dict[str, Any], window: int) -> list[dict[str, Any]]:
+    return [s for s in rank["syncs"] if s["window"] == window and s["phase"] == "step"]
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_no_sync_inside_a_window(runs: Runs, strategy: str, mode: str) -> None:
+    """No synchronizing CUDA operation issued by the package between a window's first forward and its last
+    backward, in any window; and in the steady windows, none in the strategy's ``training_step`` and ``backward``
+    beyond what the plain strategy's own run has there (none expected: Lightning's own per-batch read, before each
+    batch, is between them)."""
+    run, plain = runs.get(strategy, mode), runs.get(strategy, "plain")
+    for mine, theirs in zip(run.ranks, plain.ranks, strict=True):
+        where = f"{mode} under {strategy}, rank {mine['rank']}"
+        assert len(mine["window_lengths"]) == 4 and sum(mine["window_lengths"]) == 12, mine["window_lengths"]
+        ours = [s for s in mine["syncs"] if s["origin"] == "token_mean"]
+        assert not ours, f"{where}: {len(ours)} syncs issued by token_mean inside windows:\n{describe(ours)}"
+        for window in range(STEADY, len(mine["window_lengths"])):
+            extra = step_syncs(mine, window)
+            assert len(extra) <= len(step_syncs(theirs, window)), f"{where}:\n{describe(extra)}"
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+def test_sync_watch_sees_host_reads(runs: Runs) -> None:
+    """The control: a ``training_step`` that reads its loss and a backward hook that reads its gradient are seen in
+    every micro-batch, attributed to their caller, so the zeros above come from a watch that sees."""
+    run = runs.get("ddp", "plain", reads=True)
+    for rank in run.ranks:
+        for window, length in enumerate(rank["window_lengths"]):
+            seen = step_syncs(rank, window)
+            assert len(seen) >= 2 * length, f"rank {rank['rank']}, window {window}: {len(seen)} syncs seen"
+            assert any(s["where"].startswith("gpu_token_mean.py") for s in seen), describe(seen)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# fingerprints on CUDA: the fused _foreach_norm
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def cuda_norms() -> dict[str, dict[str, Any]]:
+    return in_spawned_process(cuda_norm_cases)
+
+
+@requires_cuda()
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("case", list(NORM_CASES))
+def test_global_norm_on_cuda_is_close_to_float64(cuda_norms: dict[str, dict[str, Any]], case: str) -> None:
+    result = cuda_norms[case]
+    assert "error" not in result, result.get("error")
+    assert (result["dtype"], result["device"]) == ("torch.float64", "cuda")
+    # float32 accumulation, whatever the input dtype: about float32's rounding, not bfloat16's three digits
+    assert result["norm"] == pytest.approx(result["reference"], rel=1e-6)
+    assert result["read"] == {"_foreach_norm": result["elements"], "vector_norm": 0}, "not the fused path alone"
