@@ -10,6 +10,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from token_mean import _torch
 from token_mean._counts import IGNORE_INDEX
 from token_mean._problems import Problem
 
@@ -56,7 +57,7 @@ def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, s
         return None, detail
     if isinstance(count, Tensor):
         return count.to(device, non_blocking=True), ""
-    return torch.tensor(count, dtype=torch.float64, device=device), ""
+    return _torch.to_device([count], torch.float64, torch.device(device)).reshape(()), ""
 
 
 def read_count(count_fn: CountFn, batch: Any) -> tuple[float, Problem | None, str]:

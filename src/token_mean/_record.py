@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from token_mean import _torch
 from token_mean._problems import DenominatorError, Problem
 
 NAMED_RANKS = 52
@@ -161,9 +162,9 @@ class Channel:
             index += [RANKS + _MARK_INDEX[problem] for problem, _ in device_flags]
             index += [BITS + _MARK_INDEX[problem] for problem, _ in device_flags]
             parts += [raised, raised * bit]
-        record = torch.tensor(host, dtype=torch.float64).to(world.device, non_blocking=True)
+        record = _torch.to_device(host, torch.float64, world.device)
         if index:
-            record = record.index_add(0, torch.tensor(index, device=world.device), torch.cat(parts))
+            record = record.index_add(0, _torch.to_device(index, torch.int64, world.device), torch.cat(parts))
         return record
 
     def start(self, kind: Kind, values: Values = Values()) -> Exchange:

@@ -89,6 +89,19 @@ def premul_sum(factor: Tensor) -> Any:
     return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
 
 
+def to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """Host values on ``device`` without making the host wait for the device's queued work.
+
+    Relies on: a CUDA copy from pinned host memory with ``non_blocking=True`` is queued on the current stream and
+    returns at once (from pageable memory, or ``torch.tensor(..., device=cuda)``, it may wait for the stream); the
+    caching host allocator keeps the pinned block until the copy is done.
+    """
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        host = host.pin_memory()
+    return host.to(device, non_blocking=True)
+
+
 def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> None:
     """Join, with zero gradients, the gradient all-reduces of one DDP backward that the other ranks are running.
 
@@ -119,4 +132,5 @@ __all__ = [
     "norms",
     "premul_sum",
     "shadow_ddp_backward",
+    "to_device",
 ]

@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from token_mean import _torch
 from token_mean._problems import Problem
 from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values
 
@@ -241,7 +242,7 @@ class Window:
     def _stack(self, values: list[Tensor | float]) -> Tensor:
         """float64 on the device: host floats in one copy, device values stacked."""
         if all(isinstance(value, float) for value in values):
-            return torch.tensor(values, dtype=torch.float64).to(self._device, non_blocking=True)
+            return _torch.to_device(values, torch.float64, self._device)  # type: ignore[arg-type]
         tensors = [value if isinstance(value, Tensor) else torch.tensor(value) for value in values]
         return torch.stack([tensor.to(self._device) for tensor in tensors]).to(torch.float64)
 
@@ -257,10 +258,9 @@ class Window:
         """
         problems = list(Problem)
         index = {problem: position for position, problem in enumerate(problems)}
-        raised = torch.tensor([float(problem in flags) for problem in problems], dtype=torch.float64)
-        raised = raised.to(self._device, non_blocking=True)
+        raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, self._device)
         if device_flags:
-            where = torch.tensor([index[problem] for problem, _ in device_flags], device=self._device)
+            where = _torch.to_device([index[problem] for problem, _ in device_flags], torch.int64, self._device)
             found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
             raised = raised.index_add(0, where, found)
         both = torch.cat([counts, -counts, raised])
