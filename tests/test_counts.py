@@ -234,7 +234,7 @@ def test_sequence_helpers_errors() -> None:
 
 def test_each_public_name_is_exported_once() -> None:
     """The package's namespace is the one place the public names come from: a public module lists in its `__all__`
-    only what it defines itself (no module re-exports another's names, as `token_mean.counts` once did)."""
+    only what it defines itself (no module re-exports another's names)."""
     import importlib
     import pkgutil
 
