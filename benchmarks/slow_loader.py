@@ -5,10 +5,9 @@ delivers one batch per ~15 ms; each micro-batch's ``training_step`` sleeps 10 ms
 model, standing for the accelerator's compute (under DDP the host waits for it before every batch anyway, when
 Lightning reads its SIGTERM flag with ``.item()``), so a micro-batch takes ~15-20 ms here with Lightning's own work:
 the loader barely keeps pace, plain DDP waits a little every step, and a reading pattern that leaves the workers
-idle shows at once (the old lookahead read K − 1 batches in one burst at each window's start: issue 11 measured
-193 ms of wait per step against plain DDP's 50 ms). Plain DDP takes one batch per micro-batch; lookahead reads the
-next window one batch per micro-batch (rolling) and holds at most K batches ahead; deferred reads nothing ahead.
-K = 16.
+idle shows at once (reading K − 1 batches in one burst at each window's start, say, waits for most of them: the
+workers keep only a few batches prefetched). Plain DDP takes one batch per micro-batch; lookahead reads the next
+window one batch per micro-batch (rolling) and holds at most K batches ahead; deferred reads nothing ahead. K = 16.
 
 "Data wait" is the wall time spent inside the loader iterator's ``__next__``, whoever calls it (Lightning's fetcher
 or the strategy's read-ahead), per optimizer step, on rank 0. The first window of a fit is the warm-up (worker

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Container, Iterator, Sequence
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ MODES = ("lookahead", "deferred")
 METHODS = ("plain", *MODES)  # plain DDPStrategy, then the two modes of TokenMeanDDPStrategy
 LR, MOMENTUM = 0.5, 0.9  # SGD with momentum: a mis-weighted gradient moves the parameters visibly
 FORK: dict[str, Any] = {"start_method": "fork", "process_group_backend": "gloo"}  # ~0.2 s per 2-process run
+SHORT_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
 Batch = dict[str, Tensor]
 
 
@@ -136,10 +138,16 @@ def make_optimizer(params: Any, lr: float = LR, momentum: float = MOMENTUM) -> t
     return torch.optim.SGD(params, lr=lr, momentum=momentum)
 
 
-def strategy_for(method: str, **kwargs: Any) -> Any:
-    """Plain ``DDPStrategy`` (``"plain"``) or ``TokenMeanDDPStrategy`` in a mode, on forked gloo processes."""
+def strategy_for(method: str, timeout: timedelta | None = None, **kwargs: Any) -> Any:
+    """Plain ``DDPStrategy`` (``"plain"``) or ``TokenMeanDDPStrategy`` in a mode, on forked gloo processes.
+
+    `timeout` is the process group's collective timeout (``SHORT_TIMEOUT`` for a test where a rank may be left alone
+    in a collective); None keeps the strategy's default, torch's 30 minutes. `kwargs` go to the strategy.
+    """
     from lightning.pytorch.strategies import DDPStrategy
 
+    if timeout is not None:
+        kwargs["timeout"] = timeout
     if method == "plain":
         return DDPStrategy(**FORK, **kwargs)
     from token_mean import TokenMeanDDPStrategy  # the one import of the code under test, kept out of the reference
@@ -210,7 +218,9 @@ class TokenModule(pl.LightningModule):
 
 
 class Recorder(Callback):
-    """Rank 0 writes the final parameters and every window's stats, since forked workers cannot return objects."""
+    """Rank 0 writes the final parameters (``params.pt``), every window's stats (``windows.json``) and the step counts
+    (``summary.json``: Lightning's ``global_step`` and the strategy's ``skipped_steps``, None without the strategy),
+    since forked workers cannot return objects."""
 
     def __init__(self, path: Path) -> None:
         self.path = path
@@ -234,6 +244,9 @@ class Recorder(Callback):
         if trainer.global_rank == 0:
             torch.save(state, self.path / "params.pt")
             (self.path / "windows.json").write_text(json.dumps(self.windows))
+            skipped = getattr(trainer.strategy, "skipped_steps", None)
+            summary = {"global_step": trainer.global_step, "skipped_steps": skipped}
+            (self.path / "summary.json").write_text(json.dumps(summary))
 
 
 def full_tensor(value: Tensor) -> Tensor:
@@ -247,41 +260,50 @@ def full_tensor(value: Tensor) -> Tensor:
 def train(
     module: pl.LightningModule, strategy: Any, devices: int = 2, ckpt_path: Path | None = None, **trainer_kwargs: Any
 ) -> None:
-    """``Trainer.fit`` on `devices` forked gloo CPU processes (resuming from `ckpt_path` if given), without logger,
-    checkpoints or progress bar. Forked workers return nothing: results travel through callbacks that write files
-    (``Recorder``)."""
-    trainer_kwargs.setdefault("max_epochs", 1)
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        use_distributed_sampler=False,
-        num_sanity_val_steps=0,
+    """``Trainer.fit`` on `devices` forked gloo CPU processes (resuming from `ckpt_path` if given); by default one
+    epoch without logger, checkpoints, progress bar or distributed sampler, which `trainer_kwargs` may override.
+    Forked workers return nothing: results travel through callbacks that write files (``Recorder``, see ``fit``)."""
+    settings: dict[str, Any] = {
+        "max_epochs": 1,
+        "logger": False,
+        "enable_checkpointing": False,
+        "enable_progress_bar": False,
+        "enable_model_summary": False,
+        "use_distributed_sampler": False,
+        "num_sanity_val_steps": 0,
         **trainer_kwargs,
-    )
+    }
+    trainer = pl.Trainer(accelerator="cpu", devices=devices, strategy=strategy, **settings)
     trainer.fit(module, ckpt_path=ckpt_path)
 
 
 def fit(
-    module: TokenModule,
+    module: pl.LightningModule,
     strategy: Any,
     tmp_path: Path,
     devices: int = 2,
     ckpt_path: Path | None = None,
     **trainer_kwargs: Any,
 ) -> tuple[dict[str, Tensor], list[dict[str, Any]]]:
-    """Train with `devices` forked gloo processes (resuming from `ckpt_path` if given); returns rank 0's final
-    parameters and window stats."""
+    """``train`` with a ``Recorder`` writing into `tmp_path` (before any of `trainer_kwargs`' callbacks); returns rank
+    0's final parameters and window stats (``summary_of(tmp_path)`` reads the step counts)."""
     tmp_path.mkdir(parents=True, exist_ok=True)
     callbacks = [Recorder(tmp_path), *trainer_kwargs.pop("callbacks", [])]
     train(module, strategy, devices, ckpt_path, callbacks=callbacks, **trainer_kwargs)
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
     windows = json.loads((tmp_path / "windows.json").read_text())
-    return {k.removeprefix("net."): v for k, v in params.items()}, windows
+    return params_of(tmp_path), windows
+
+
+def params_of(path: Path) -> dict[str, Tensor]:
+    """The final parameters a ``Recorder`` wrote into `path`, named as in ``TokenNet``."""
+    params = torch.load(path / "params.pt", weights_only=True)
+    return {k.removeprefix("net."): v for k, v in params.items()}
+
+
+def summary_of(path: Path) -> dict[str, Any]:
+    """The step counts a ``Recorder`` wrote into `path`: ``global_step`` and ``skipped_steps``."""
+    summary: dict[str, Any] = json.loads((path / "summary.json").read_text())
+    return summary
 
 
 def windows_of(batches: int, accumulate: int) -> list[range]:

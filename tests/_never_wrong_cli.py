@@ -1,4 +1,5 @@
-"""Importable by dotted path from LightningCLI arguments in ``test_never_wrong.py`` (issue 10, case 11)."""
+"""A count function and a module that LightningCLI imports by dotted path from its arguments
+(``test_never_wrong.py::test_count_fn_by_import_path_in_lightning_cli``)."""
 
 from __future__ import annotations
 

@@ -21,7 +21,7 @@ import lightning.pytorch as pl
 import pytest
 
 # Seconds a rank that raised waits for the others to finish or raise. Longer than the collective timeout of the tests
-# that record (15 s in test_never_wrong.py), so that a rank left waiting in a collective reports its own error.
+# that record (``_harness.SHORT_TIMEOUT``, 15 s), so that a rank left waiting in a collective reports its own error.
 WAIT_FOR_RANKS = 25.0
 POLL = 0.05  # seconds between looks at the other ranks' outcome files
 

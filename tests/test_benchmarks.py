@@ -94,7 +94,7 @@ def test_cost_quick(tmp_path: Path) -> None:
         (loader, method, monitor) for loader in ("sized", "unsized") for method in ("plain", "lookahead", "deferred")
         for monitor in (False, True)
     }
-    # the acceptance criterion test_cost.py pins in full: no host read of device data inside a window
+    # what test_cost.py pins in full: no host read of device data inside a window
     assert all(r["reads_in_window"] == r["reads_in_window_host_count"] for r in rows if r["method"] != "plain")
 
 
@@ -116,7 +116,7 @@ def test_scale_model_quick(tmp_path: Path) -> None:
     for designs in payload["thresholds"].values():
         old, new = designs["old"], designs["new"]
         assert old is not None and (new is None or new > old), designs  # the new design crosses 1 % later, if ever
-    # NCCL's model of the old 80-byte ring all_gather at P = 16,384 with 8 GPUs per node (issue 11: ~17.7 ms)
+    # NCCL's model of the old design's 80-byte ring all_gather at P = 16,384 with 8 GPUs per node: ~17.7 ms
     assert 17e-3 < payload["collectives_seconds"]["16384"]["old_all_gather"] < 18.5e-3
 
 

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import TokenModule, ragged_batches, token_loss, windows_of
+from _harness import EXACT, METHODS, TokenModule, ragged_batches, strategy_for, token_loss, windows_of
 from _monitor_helpers import (
     Outcome,
     ValidationModule,
@@ -23,7 +23,6 @@ from _monitor_helpers import (
 )
 from _ranks import raises_everywhere
 from lightning.pytorch.loggers import Logger
-from lightning.pytorch.strategies import DDPStrategy
 
 import token_mean.callback
 import token_mean.metrics
@@ -31,32 +30,11 @@ from token_mean import DenominatorMonitor, DivergenceError
 from token_mean._trace import COMPARED_COLUMNS, read_trace
 from token_mean.metrics import TokenMeanLoss
 
-FORK: dict[str, Any] = {"start_method": "fork", "process_group_backend": "gloo"}
-EXACT = 1e-12
-
-try:
-    from token_mean.strategy import TokenMeanDDPStrategy
-except ImportError:  # the strategy is developed alongside; everything else runs without it
-    TokenMeanDDPStrategy = None  # type: ignore[assignment,misc]
-
-needs_strategy = pytest.mark.skipif(TokenMeanDDPStrategy is None, reason="token_mean.strategy is not available")
-
-
-def strategy_for(name: str) -> Any:
-    if name == "plain":
-        return DDPStrategy(**FORK)
-    assert TokenMeanDDPStrategy is not None
-    return TokenMeanDDPStrategy(mode=name, **FORK)  # type: ignore[arg-type]
-
-
-STRATEGIES = ["plain", pytest.param("lookahead", marks=needs_strategy), pytest.param("deferred", marks=needs_strategy)]
-
-
 # ---------------------------------------------------------------------------------------------------------- counts
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy", METHODS)
 def test_logged_counts_match_the_data(tmp_path: Path, strategy: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """P=2, K=3, 7 micro-batches per rank: windows of 3, 3 and a partial 1, ranks far apart in valid tokens."""
     if strategy != "plain":
@@ -116,7 +94,6 @@ def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> No
 
 
 @pytest.mark.distributed
-@needs_strategy
 def test_skipped_window_under_the_strategy(tmp_path: Path) -> None:
     """A window with no valid item anywhere: the strategy skips the step; N = 0 is logged, the loss is not."""
     data = counts_data([[3, 0, 4], [2, 0, 5]])
@@ -209,7 +186,6 @@ def test_record_then_replay_single_device(tmp_path: Path, suffix: str) -> None:
 
 
 @pytest.mark.distributed
-@needs_strategy
 def test_plain_ddp_flagged_at_first_uneven_step(tmp_path: Path) -> None:
     """Reference: the token-mean strategy. Plain DDP matches it while ranks are even and diverges at step 2."""
     data = counts_data(COUNTS)
@@ -363,7 +339,7 @@ def test_count_fn_is_used_without_strategy(tmp_path: Path) -> None:
 def test_token_mean_validation_loss(tmp_path: Path) -> None:
     data = counts_data([[12, 2, 7, 5], [1, 3, 12, 9]])  # no empty batch: Lightning's mean of means would be NaN
     module = ValidationModule(data)
-    [results] = trainer_for(tmp_path, DDPStrategy(**FORK), devices=2, logger=False).validate(module)
+    [results] = trainer_for(tmp_path, strategy_for("plain"), devices=2, logger=False).validate(module)
     expected_sum = sum(float(token_loss(module.net, b, "sum").detach()) for rank in data for b in rank)
     expected = expected_sum / sum(count_of(b) for rank in data for b in rank)
     assert results["val_token_mean"] == pytest.approx(expected, rel=1e-12)

@@ -57,7 +57,7 @@ def test_cost_is_pinned(tmp_path: Path, loader: str) -> None:
     rows = measure(loader, tmp_path)
     assert [tuple(cells[1:]) for cells in table_rows(rows)] == PINNED[loader]
 
-    # Issue 11's acceptance criteria, asserted on their own so that a failure names the one that broke.
+    # What the strategy promises about its cost, asserted one by one so that a failure names the promise it broke.
     costs = {(row.method, row.monitor): row.cost for row in rows}
     assert costs["plain", False].gradient_per_window == {"allreduce": 1}  # DDP's own, one bucket
     for (method, monitor), cost in costs.items():

@@ -34,10 +34,10 @@ from _harness import (
     make_optimizer,
     ragged_batches,
     relative_error,
+    strategy_for,
     windows_of,
 )
 from _ranks import raises_everywhere
-from lightning.pytorch.strategies import DDPStrategy
 from lightning_utilities.core.imports import RequirementCache
 from torch import Tensor, nn
 from torch.utils.data import DataLoader
@@ -67,13 +67,15 @@ DEFAULT_COUNT = "default-count"  # lookahead with the default `count_valid_label
 PLAIN = "plain"
 
 
-def strategy_for(variant: str, **kwargs: Any) -> DDPStrategy:
+def strategy_for_variant(variant: str, **kwargs: Any) -> Any:
+    """``_harness.strategy_for`` for a variant: a mode takes the strategy settings in `kwargs`, the default-count
+    control all of them but `count_fn`, and plain DDP none."""
     if variant == PLAIN:
-        return DDPStrategy(**FORK)
+        return strategy_for(PLAIN)
     if variant == DEFAULT_COUNT:
         kwargs.pop("count_fn")
-        return TokenMeanDDPStrategy(mode="lookahead", **FORK, **kwargs)
-    return TokenMeanDDPStrategy(mode=variant, **FORK, **kwargs)  # type: ignore[arg-type]
+        return strategy_for("lookahead", **kwargs)
+    return strategy_for(variant, **kwargs)
 
 
 class ObjectiveModule(pl.LightningModule):
@@ -232,7 +234,7 @@ def test_sequence_helpers_errors() -> None:
 
 def test_each_public_name_is_exported_once() -> None:
     """The package's namespace is the one place the public names come from: a public module lists in its `__all__`
-    only what it defines itself (no module re-exports another's names, as `token_mean.counts` once did)."""
+    only what it defines itself (no module re-exports another's names)."""
     import importlib
     import pkgutil
 
@@ -332,7 +334,7 @@ def with_empty_micro_batch(data: list[list[Batch]], rank: int, index: int) -> li
 def test_causal_lm_with_shifted_labels(tmp_path: Path, variant: str) -> None:
     data = with_empty_micro_batch(causal_lm_batches(2, 7, seed=21), rank=1, index=4)
     module = ObjectiveModule(TinyCausalLM(), data, lambda net, b: net(b["input_ids"], b["labels"]))
-    strategy = strategy_for(variant, count_fn=count_shifted_labels)
+    strategy = strategy_for_variant(variant, count_fn=count_shifted_labels)
     params, windows = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     expected = run_reference(TinyCausalLM(), data, shifted_lm_objective)
     check(variant, relative_error(params, expected), "causal-lm")
@@ -378,7 +380,7 @@ def test_class_weighted_cross_entropy(tmp_path: Path, variant: str) -> None:
     data = ragged_batches(2, 7, seed=31)
     data[0][2] = empty_like(data[0][2])
     module = ObjectiveModule(token_net(), data, weighted_ce)
-    strategy = strategy_for(variant, count_fn=ClassWeightedCount(CLASS_WEIGHT))
+    strategy = strategy_for_variant(variant, count_fn=ClassWeightedCount(CLASS_WEIGHT))
     params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     check(variant, relative_error(params, run_reference(token_net(), data, class_weighted_objective)), "class-weighted")
 
@@ -422,7 +424,7 @@ def ragged_examples(seed: int) -> list[list[Batch]]:
 def test_example_mean(tmp_path: Path, variant: str) -> None:
     data = ragged_examples(seed=41)
     module = ObjectiveModule(token_net(), data, lambda net, b: per_example_means(net, b).mean())
-    strategy = strategy_for(variant, count_fn=count_examples)
+    strategy = strategy_for_variant(variant, count_fn=count_examples)
     params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     check(variant, relative_error(params, run_reference(token_net(), data, example_mean_objective)), "example-mean")
 
@@ -499,7 +501,7 @@ def rl_objective(name: str) -> StepObjective:
 def test_rl_loss_aggregation(tmp_path: Path, objective: str, variant: str) -> None:
     data = rl_batches(seed=51)
     count_fn, loss_reduction, step_loss = RL_SETTINGS[objective]
-    strategy = strategy_for(variant, count_fn=count_fn, loss_reduction=loss_reduction)
+    strategy = strategy_for_variant(variant, count_fn=count_fn, loss_reduction=loss_reduction)
     module = ObjectiveModule(token_net(), data, step_loss)
     params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     check(variant, relative_error(params, run_reference(token_net(), data, rl_objective(objective))), objective)
@@ -565,7 +567,7 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
     data = with_empty_micro_batch(causal_lm_batches(2, 7, seed=61), rank=0, index=3)
     train_data = with_shift_labels(data) if form == "shift_labels" else data
     module = ObjectiveModule(hf_model(), train_data, lambda net, b: net(**b).loss, lr=HF_LR)
-    params, _ = fit(module, strategy_for(variant, count_fn=count_shifted_labels), tmp_path,
+    params, _ = fit(module, strategy_for_variant(variant, count_fn=count_shifted_labels), tmp_path,
                     accumulate_grad_batches=ACCUMULATE)
     error = relative_error(params, run_reference(hf_model(), data, hf_objective, lr=HF_LR))
     print(f"hf/{variant}/{form}: relative parameter error {error:.6e}")

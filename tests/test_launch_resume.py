@@ -1,6 +1,6 @@
 """Every launcher, checkpoint and resume, and a rank that leaves: both modes against the float64 reference (1e-12).
 
-Issue 7's "Launchers", "Checkpoint and resume" and the timeout of "Bad input". Each launcher trains the case of
+Each launcher (Lightning's subprocess launcher, spawn, fork, torchrun on one node and on two) trains the case of
 ``tests/scripts/launch_token_mean.py`` and must end on the parameters of the unpartitioned plain-torch reference; a
 resumed run must end where the uninterrupted one does. The tests can fail: plain DDP misses the launchers' case,
 resuming mid-epoch without a stateful loader misses the reference, DDP's `timeout` is read back from every rank's
@@ -148,8 +148,8 @@ class DestroyProcessGroup(Callback):
     """What a distributed script does before it exits (torch warns when it does not).
 
     A spawned worker, unlike a forked one, finalizes the interpreter on exit; a gloo process group left alive until
-    then was once seen aborting a worker there ("terminate called without an active exception") after its fit had
-    finished and its results were written.
+    then can abort the worker there ("terminate called without an active exception"), after its fit has finished and
+    its results are written.
     """
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -374,8 +374,8 @@ def test_resume_after_a_rank_ran_out(tmp_path: Path, mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_resume_when_read_ahead_reached_a_rank_end(tmp_path: Path, mode: str) -> None:
     """Shards of 7 and 5 batches, K = 3, checkpointed after step 1: lookahead has read rank 1's batches 3 and 4 and
-    hit its end, but Lightning has not trained them. The resumed rank 1 must train them at full weight (it once
-    restored itself as exhausted and trained fillers instead)."""
+    hit its end, but Lightning has not trained them. The resumed rank 1 must train them at full weight, not restore
+    itself as exhausted and train fillers instead."""
     data = ragged_batches(2, 7, seed=31)
     data[1] = data[1][:5]
     expected, counts = reference(data, constant(3))

@@ -244,7 +244,7 @@ def no_loss_on_rank_one(module: Any, batch: dict[str, Tensor], loss: Tensor) -> 
 def test_missing_loss_raises_on_every_rank(tmp_path: Path, mode: str, data_parallel: int, tensor_parallel: int) -> None:
     """A rank whose `training_step` returns no loss back-propagates a zero made of its sharded modules' outputs, so
     FSDP2's (and tensor parallelism's) backward collectives run on every rank, and every rank raises the same error
-    at the window's end, well before the 30 s process-group timeout (the other ranks once waited for it)."""
+    at the window's end, well before the 30 s process-group timeout (no rank is left waiting for it)."""
     strategy = strategy_for(mode, data_parallel, tensor_parallel, timeout=timedelta(seconds=30))
     module = MeshModule(ragged_batches(data_parallel, 4), output_fn=no_loss_on_rank_one)
     devices = data_parallel * tensor_parallel

@@ -1,11 +1,12 @@
-"""Issue 10, "never silently wrong": every training setup Lightning accepts is exact under the strategy, or refused
-with the same clear error on every rank.
+"""Never silently wrong: every training setup Lightning accepts is exact under the strategy, or refused with the
+same clear error on every rank.
 
-One section per case of the issue, numbered as there. A supported setup is compared with the plain-torch float64
-reference over the optimizer steps that Lightning's own stepping rule makes of the same per-rank batches (relative
-error < 1e-12), next to a plain ``DDPStrategy`` control that must miss wherever plain DDP's mean of means differs. A
-refused setup must raise a clear error on every rank: each forked worker records what it raised
-(``_ranks.outcomes_recorded``), and the test reads every rank's message.
+One section per setup. A supported setup is compared with the plain-torch float64 reference over the optimizer steps
+that Lightning's own stepping rule makes of the same per-rank batches (relative error < 1e-12), next to a plain
+``DDPStrategy`` control that must miss wherever plain DDP's mean of means differs. A refused setup must raise a clear
+error on every rank: each forked worker records what it raised (``_ranks.outcomes_recorded``), and the test reads
+every rank's message. Every fit runs through ``_harness.fit`` with a ``SHORT_TIMEOUT`` process group, so that a rank
+left alone in a collective fails within the test's time limit.
 """
 
 from __future__ import annotations
@@ -14,8 +15,7 @@ import json
 import math
 import re
 import warnings
-from collections.abc import Callable, Iterator, Sequence
-from datetime import timedelta
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -27,18 +27,21 @@ from _harness import (
     CLASSES,
     EXACT,
     FEATURES,
-    FORK,
     MODES,
+    SHORT_TIMEOUT,
     Batch,
     ListDataset,
-    Recorder,
     StreamDataset,
     TokenModule,
+    fit,
     lightning_steps,
     make_batch,
+    params_of,
     ragged_batches,
     reference_steps,
     relative_error,
+    strategy_for,
+    summary_of,
     token_loss,
     windows_of,
 )
@@ -47,7 +50,6 @@ from _ranks import errors_of, outcomes_recorded, raises_everywhere
 from _resume_helpers import PositionLoader, ResumableModule, checkpoint_at, fit_checkpointed
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
 from torch.utils.data import DataLoader, IterableDataset
@@ -60,84 +62,21 @@ from token_mean import (
     count_valid_labels,
 )
 
-GLOO_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
-FAST: dict[str, Any] = {**FORK, "timeout": GLOO_TIMEOUT}
 MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
 
 
-def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
-    if mode == "plain":
-        return DDPStrategy(**FAST)
-    return TokenMeanDDPStrategy(mode=mode, **FAST, **kwargs)  # type: ignore[arg-type]
-
-
 # ---------------------------------------------------------------------------------------------------------------
-# running forked workers and reading back what each rank did
+# comparing a run's final parameters with the float64 reference (``_harness.reference_steps``), and the data
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class Summary(Callback):
-    """Rank 0 writes the step count and the strategy's skipped steps at the end of training."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if trainer.global_rank == 0:
-            summary = {"global_step": trainer.global_step, "skipped": getattr(trainer.strategy, "skipped_steps", None)}
-            (self.path / "summary.json").write_text(json.dumps(summary))
-
-
-def train(
-    module: pl.LightningModule,
-    strategy: Any,
-    out: Path,
-    devices: int = 2,
-    callbacks: Sequence[Callback] = (),
-    ckpt_path: Path | None = None,
-    **trainer_kwargs: Any,
-) -> None:
-    """Fit in `devices` forked gloo workers; rank 0 writes params.pt, windows.json and summary.json into `out`."""
-    out.mkdir(parents=True, exist_ok=True)
-    settings: dict[str, Any] = {
-        "accelerator": "cpu",
-        "devices": devices,
-        "strategy": strategy,
-        "max_epochs": 1,
-        "logger": False,
-        "enable_checkpointing": False,
-        "enable_progress_bar": False,
-        "enable_model_summary": False,
-        "use_distributed_sampler": False,
-        "num_sanity_val_steps": 0,
-        **trainer_kwargs,
-    }
-    trainer = pl.Trainer(callbacks=[Recorder(out), Summary(out), *callbacks], **settings)
-    trainer.fit(module, ckpt_path=ckpt_path)
-
-
-def params_of(out: Path) -> dict[str, Tensor]:
-    params = torch.load(out / "params.pt", weights_only=True)
-    return {k.removeprefix("net."): v for k, v in params.items()}
-
-
-def summary_of(out: Path) -> dict[str, Any]:
-    summary: dict[str, Any] = json.loads((out / "summary.json").read_text())
-    return summary
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the reference: plain torch, one process, float64; imports nothing from token_mean
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def assert_exact(out: Path, expected: dict[str, Tensor], what: str = "") -> None:
-    error = relative_error(params_of(out), expected)
+def assert_exact(params: dict[str, Tensor], expected: dict[str, Tensor], what: str = "") -> None:
+    error = relative_error(params, expected)
     assert error < EXACT, f"{what}relative parameter error {error:.3e}"
 
 
-def assert_misses(out: Path, expected: dict[str, Tensor]) -> None:
-    error = relative_error(params_of(out), expected)
+def assert_misses(params: dict[str, Tensor], expected: dict[str, Tensor]) -> None:
+    error = relative_error(params, expected)
     assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
 
 
@@ -154,7 +93,7 @@ def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 1. several training loaders (Lightning's CombinedLoader)
+# several training loaders (Lightning's CombinedLoader)
 #
 # Lightning: the combined batch is a dict (or list) of sub-batches. `max_size_cycle` (the default) runs as long as the
 # longest loader and restarts a shorter one with a new `iter()` mid-epoch (here loader "b" of 3 batches restarts at
@@ -248,18 +187,19 @@ def test_several_training_loaders(tmp_path: Path, mode: str, shape: str, combine
         pytest.skip("one plain-DDP control is enough")
     loaders = several_loaders_data()
     kwargs = {} if mode == "plain" else {"count_fn": count_combined}
-    train(SeveralLoaders(loaders, shape, combined_mode), strategy_for(mode, **kwargs), tmp_path,
-          accumulate_grad_batches=2, max_epochs=2)
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT, **kwargs)
+    params, _ = fit(SeveralLoaders(loaders, shape, combined_mode), strategy, tmp_path, accumulate_grad_batches=2,
+                    max_epochs=2)
     per_rank = combined_per_rank(loaders, combined_mode or "max_size_cycle")
     expected, _ = reference_steps(lightning_steps(per_rank, 2, epochs=2))
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
     else:
-        assert_exact(tmp_path, expected)
+        assert_exact(params, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 2. ExactDistributedSampler under Lightning's default use_distributed_sampler=True
+# ExactDistributedSampler under Lightning's default use_distributed_sampler=True
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -310,19 +250,19 @@ def test_exact_sampler_with_lightnings_default(tmp_path: Path, mode: str, count:
     if mode == "plain" and count == 13:
         pytest.skip("plain DDP cannot run ranks of different lengths: the control uses the even split")
     dataset = items(count)
-    train(SampledModule(dataset, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2,
-          use_distributed_sampler=True)
+    params, _ = fit(SampledModule(dataset, tmp_path), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                    accumulate_grad_batches=2, use_distributed_sampler=True)
     expected, _ = reference_steps(lightning_steps(item_shards(dataset), 2))
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
         return
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2)]
     assert seen == [list(range(0, count, 2)), list(range(1, count, 2))], "items trained by rank 0 and rank 1"
-    assert_exact(tmp_path, expected)
+    assert_exact(params, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 3. a loader that refills one batch buffer in place
+# a loader that refills one batch buffer in place
 #
 # The stream is sized: for an unsized loader Lightning itself fetches one batch ahead, which overwrites the buffer
 # before `training_step` runs even under plain DDP.
@@ -368,7 +308,8 @@ def test_buffer_refilled_in_place(tmp_path: Path, mode: str) -> None:
     expected, _ = reference_steps(lightning_steps(data, 3))
     try:
         with outcomes_recorded(tmp_path):
-            train(BufferModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+            params, _ = fit(BufferModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                            accumulate_grad_batches=3)
     except Exception:
         if mode != "lookahead":
             raise
@@ -376,13 +317,13 @@ def test_buffer_refilled_in_place(tmp_path: Path, mode: str) -> None:
             assert message.startswith("DenominatorError") and "mode='deferred'" in message, message
         return
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
     else:
-        assert_exact(tmp_path, expected, f"{mode} finished: ")
+        assert_exact(params, expected, f"{mode} finished: ")
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 4. a None batch
+# a None batch
 #
 # Lightning (training_epoch_loop.advance) warns and runs no training_step for it, but still counts it as ready: it
 # zeroes gradients at the first batch of a window (batch_idx % K == 0) and steps at the batch where ready % K == 0
@@ -419,7 +360,8 @@ def test_none_batch(
     data: list[list[Any]] = [list(rank) for rank in ragged(2, batches, seed=61)]
     for rank, index in cells:
         data[rank][index] = None
-    train(NoneModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=k, max_epochs=epochs)
+    params, _ = fit(NoneModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=k,
+                    max_epochs=epochs)
     # the strategy keeps every window (a None is a zero-weight micro-batch); plain Lightning drops some (see above)
     kept = [window for window in windows_of(batches, k) if mode != "plain" or window[0] not in dropped]
     steps = [
@@ -427,14 +369,14 @@ def test_none_batch(
     ]
     expected, _ = reference_steps(steps)
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
         return
-    assert_exact(tmp_path, expected)
+    assert_exact(params, expected)
     assert summary_of(tmp_path)["global_step"] == len(steps)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. training_step(self, dataloader_iter): refused at fit start
+# training_step(self, dataloader_iter): refused at fit start
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -454,14 +396,15 @@ class IteratorStep(TokenModule):
 @pytest.mark.parametrize("mode", MODES)
 def test_dataloader_iter_is_refused_at_fit_start(tmp_path: Path, mode: str) -> None:
     module = IteratorStep(ragged(2, 4, seed=71), tmp_path)
-    errors = raises_everywhere(tmp_path, lambda: train(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2))
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT)
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
     for message in errors:
         assert "dataloader_iter" in message, message
     assert not list(tmp_path.glob("trained*.txt")), "training_step ran before the refusal"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 6. a callback that iterates trainer.train_dataloader mid-epoch
+# a callback that iterates trainer.train_dataloader mid-epoch
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -489,17 +432,17 @@ def test_callback_iterates_the_train_dataloader(
     if mode == "plain" and (ranks, iterable) != ((0,), True):
         pytest.skip("one plain-DDP control is enough")
     data = ragged(2, 6, seed=81)
-    train(TokenModule(data, iterable=iterable), strategy_for(mode), tmp_path, accumulate_grad_batches=3,
-          max_epochs=2, callbacks=[PeekAtTheLoader(ranks)])
+    params, _ = fit(TokenModule(data, iterable=iterable), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                    accumulate_grad_batches=3, max_epochs=2, callbacks=[PeekAtTheLoader(ranks)])
     expected, _ = reference_steps(lightning_steps(data, 3, epochs=2))
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
     else:
-        assert_exact(tmp_path, expected)
+        assert_exact(params, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 7. fillers: rank 0 has 5 batches, rank 1 has 3 and repeats a batch at weight zero for batches 3 and 4
+# fillers: rank 0 has 5 batches, rank 1 has 3 and repeats a batch at weight zero for batches 3 and 4
 # ---------------------------------------------------------------------------------------------------------------
 
 FILLER_LENGTHS = (5, 3)
@@ -565,8 +508,8 @@ def filler_run(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str, bool]
             out = tmp_path_factory.mktemp(f"fillers-{mode}-{'iterable' if iterable else 'sized'}")
             monitor = DenominatorMonitor(logging_interval=1)
             logger = CSVLogger(out, name="logs", version=0)
-            train(FillerModule(filler_data(), iterable, out), strategy_for(mode), out,
-                  accumulate_grad_batches=FILLER_K, callbacks=[FillerFlags(out), monitor], logger=logger)
+            fit(FillerModule(filler_data(), iterable, out), strategy_for(mode, timeout=SHORT_TIMEOUT), out,
+                accumulate_grad_batches=FILLER_K, callbacks=[FillerFlags(out), monitor], logger=logger)
             runs[mode, iterable] = out
         return runs[mode, iterable]
 
@@ -611,7 +554,7 @@ def test_token_mean_loss_ignores_fillers(filler_run: Callable[[str, bool], Path]
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
 def test_monitor_counts_ignore_fillers(filler_run: Callable[[str, bool], Path], mode: str, iterable: bool) -> None:
-    """Passes on the branch point already (the monitor reads the strategy's window): guards it."""
+    """The monitor reads the strategy's window: the counts it logs leave the fillers out, and the run is exact."""
     out = filler_run(mode, iterable)
     data = filler_data()
     rank_counts = [
@@ -625,11 +568,11 @@ def test_monitor_counts_ignore_fillers(filler_run: Callable[[str, bool], Path], 
         assert got["global_count"] == sum(counts), f"step {step}"
         assert (got["rank_count_min"], got["rank_count_max"]) == (min(counts), max(counts)), f"step {step}"
         assert got["rank_count_mean"] == pytest.approx(sum(counts) / 2, rel=EXACT), f"step {step}"
-    assert_exact(out, reference_steps(lightning_steps(data, FILLER_K))[0])
+    assert_exact(params_of(out), reference_steps(lightning_steps(data, FILLER_K))[0])
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 9. Lightning's loader checks see the user's DataLoader
+# Lightning's loader checks see the user's DataLoader
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -681,8 +624,8 @@ def test_train_dataloader_is_the_users_dataloader(tmp_path: Path, mode: str, loa
     else:
         module = SeveralLoaders(several_loaders_data(), "dict", None)
         kwargs = {} if mode == "plain" else {"count_fn": count_combined}
-    train(module, strategy_for(mode, **kwargs), tmp_path, accumulate_grad_batches=2,
-          callbacks=[LoaderIdentity(tmp_path)])
+    fit(module, strategy_for(mode, timeout=SHORT_TIMEOUT, **kwargs), tmp_path, accumulate_grad_batches=2,
+        callbacks=[LoaderIdentity(tmp_path)])
     for rank in range(2):
         seen = json.loads((tmp_path / f"loaders{rank}.json").read_text())
         assert seen and all(s["is_dataloader"] for s in seen), f"rank {rank}: not a DataLoader during fit"
@@ -719,13 +662,14 @@ def test_lightnings_worker_warning_is_kept(tmp_path: Path, mode: str, monkeypatc
     from lightning.pytorch.trainer.connectors import data_connector
 
     monkeypatch.setattr(data_connector, "suggested_max_num_workers", lambda local_world_size: 4)
-    train(TokenModule(ragged(2, 2, seed=111)), strategy_for(mode), tmp_path, callbacks=[CatchWarnings(tmp_path)])
+    fit(TokenModule(ragged(2, 2, seed=111)), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+        callbacks=[CatchWarnings(tmp_path)])
     caught = json.loads((tmp_path / "warnings.json").read_text())
     assert any("'train_dataloader' does not have many workers" in message for message in caught), caught
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 10. diagnoses that name the likely cause
+# diagnoses that name the likely cause
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -741,9 +685,9 @@ def test_mask_disagreeing_with_count_fn_blames_count_fn(tmp_path: Path, mode: st
     """A micro-batch counted as holding items whose loss is 0/0: the mask disagrees, the model did not diverge."""
     data = ragged(2, 4, seed=121)
     data[1][1] = {**data[1][1], "labels": torch.full_like(data[1][1]["labels"], -100)}
-    strategy = strategy_for(mode, count_fn=count_every_token)
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT, count_fn=count_every_token)
     module = TokenModule(data)
-    errors = raises_everywhere(tmp_path, lambda: train(module, strategy, tmp_path, accumulate_grad_batches=2))
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
     for message in errors:
         assert message.startswith("DenominatorError"), message
         assert "count_fn" in message, message
@@ -777,9 +721,8 @@ def test_num_items_mismatch_without_count_fn(tmp_path: Path) -> None:
     generator = torch.Generator().manual_seed(131)
     data = [[with_count(generator, c) for c in counts] for counts in ((17, 30, 9, 26), (NUM_ITEMS_COUNT, 12, 28, 5))]
     module = TokenModule(data, output_fn=one_more_item_on_rank_one)
-    errors = raises_everywhere(
-        tmp_path, lambda: train(module, strategy_for("lookahead"), tmp_path, accumulate_grad_batches=2)
-    )
+    strategy = strategy_for("lookahead", timeout=SHORT_TIMEOUT)
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
     for message in errors:
         assert message.startswith("DenominatorError"), message
         assert "drop `count_fn`" not in message, message
@@ -790,7 +733,7 @@ def test_num_items_mismatch_without_count_fn(tmp_path: Path) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 11. counts as users write them: a numpy integer, and count_fn by import path in LightningCLI
+# counts as users write them: a numpy integer, and count_fn by import path in LightningCLI
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -803,12 +746,13 @@ def numpy_count(batch: Batch) -> np.int64:
 def test_numpy_integer_count(tmp_path: Path, mode: str) -> None:
     data = ragged(2, 5, seed=141)
     kwargs = {} if mode == "plain" else {"count_fn": numpy_count}
-    train(TokenModule(data), strategy_for(mode, **kwargs), tmp_path, accumulate_grad_batches=2)
+    params, _ = fit(TokenModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT, **kwargs), tmp_path,
+                    accumulate_grad_batches=2)
     expected, _ = reference_steps(lightning_steps(data, 2))
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
     else:
-        assert_exact(tmp_path, expected)
+        assert_exact(params, expected)
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -844,7 +788,7 @@ def test_count_fn_by_import_path_in_lightning_cli(tmp_path: Path, mode: str, sou
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 12. counts too small or too large for float64: refused before the optimizer step, naming the count
+# counts too small or too large for float64: refused before the optimizer step, naming the count
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -878,8 +822,8 @@ def test_subnormal_window_count(tmp_path: Path, mode: str) -> None:
     checkpoints = ModelCheckpoint(
         dirpath=tmp_path / "checkpoints", every_n_train_steps=1, save_top_k=-1, save_last=True
     )
-    strategy = strategy_for(mode, count_fn=weighted_count)
-    errors = raises_everywhere(tmp_path, lambda: train(
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT, count_fn=weighted_count)
+    errors = raises_everywhere(tmp_path, lambda: fit(
         TokenModule(data), strategy, tmp_path, accumulate_grad_batches=2, enable_checkpointing=True,
         callbacks=[checkpoints],
     ))
@@ -900,9 +844,9 @@ def huge_count(batch: Batch) -> float:
 @pytest.mark.parametrize("mode", MODES)
 def test_window_count_overflows(tmp_path: Path, mode: str) -> None:
     """4 micro-batches of count 1e308 per window: N overflows to inf. Named as a count problem, not a NaN loss."""
-    strategy = strategy_for(mode, count_fn=huge_count)
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT, count_fn=huge_count)
     errors = raises_everywhere(
-        tmp_path, lambda: train(TokenModule(ragged(2, 4, seed=161)), strategy, tmp_path, accumulate_grad_batches=2)
+        tmp_path, lambda: fit(TokenModule(ragged(2, 4, seed=161)), strategy, tmp_path, accumulate_grad_batches=2)
     )
     for message in errors:
         assert message.startswith("DenominatorError"), message  # not a bare OverflowError
@@ -911,7 +855,7 @@ def test_window_count_overflows(tmp_path: Path, mode: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 13. a mid-epoch checkpoint written under the strategy resumes under plain DDP
+# a mid-epoch checkpoint written under the strategy resumes under plain DDP
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -945,15 +889,15 @@ def test_checkpoint_resumes_under_plain_ddp(tmp_path: Path, mode: str) -> None:
     data = ragged(2, 7, seed=171)
     fit_checkpointed(ResumableModule(data, True), mode, tmp_path / "strategy", epochs=1)
     out = tmp_path / "plain"
-    train(StateRecordingModule(data, out), strategy_for("plain"), out, accumulate_grad_batches=2,
-          ckpt_path=checkpoint_at(tmp_path / "strategy", 2))
+    fit(StateRecordingModule(data, out), strategy_for("plain", timeout=SHORT_TIMEOUT), out, accumulate_grad_batches=2,
+        ckpt_path=checkpoint_at(tmp_path / "strategy", 2))
     for rank in range(2):
         loaded = json.loads((out / f"loaded{rank}.json").read_text())
         assert loaded == {"handed_out": 4}, f"rank {rank}: load_state_dict got {loaded}"
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 14. an IterableDataset whose __len__ overstates what it yields
+# an IterableDataset whose __len__ overstates what it yields
 # ---------------------------------------------------------------------------------------------------------------
 
 STATED, YIELDED = 20, 12
@@ -980,21 +924,22 @@ def test_len_overstates_the_stream(tmp_path: Path, mode: str, k: int) -> None:
     past the stream's end, and the short last window [10, 11] is trained (padded to K with zero-weight fillers)
     instead of dropped."""
     data = ragged(2, YIELDED, seed=181)
-    train(OverstatedModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=k, max_epochs=2)
+    params, _ = fit(OverstatedModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                    accumulate_grad_batches=k, max_epochs=2)
     windows = [window for window in windows_of(YIELDED, k) if mode != "plain" or len(window) == k]
     steps = [[rank[i] for rank in data for i in window] for _ in range(2) for window in windows]
     expected, _ = reference_steps(steps)
     summary = summary_of(tmp_path)
     assert summary["global_step"] == len(steps), "optimizer steps"
     if mode == "plain":
-        assert_misses(tmp_path, expected)
+        assert_misses(params, expected)
         return
-    assert summary["skipped"] == 0
-    assert_exact(tmp_path, expected)
+    assert summary["skipped_steps"] == 0
+    assert_exact(params, expected)
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 15. a mid-epoch resume with another number of processes
+# a mid-epoch resume with another number of processes
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1009,13 +954,13 @@ def test_mid_epoch_resume_with_other_process_count(tmp_path: Path, mode: str, sa
         fit_checkpointed(ResumableModule(data, True), mode, saved, epochs=1)
     else:
         checkpoints = ModelCheckpoint(dirpath=saved / "checkpoints", every_n_train_steps=2, save_top_k=-1)
-        train(ResumableModule(data, True), strategy_for(mode), saved, devices=1, accumulate_grad_batches=2,
-              enable_checkpointing=True, callbacks=[checkpoints])
+        fit(ResumableModule(data, True), strategy_for(mode, timeout=SHORT_TIMEOUT), saved, devices=1,
+            accumulate_grad_batches=2, enable_checkpointing=True, callbacks=[checkpoints])
     checkpoint = checkpoint_at(saved, 2)  # mid-epoch: 4 of 7 batches
     out = tmp_path / "resumed"
-    errors = raises_everywhere(out, lambda: train(
-        ResumableModule(data, True), strategy_for(mode), out, devices=resumed_on, accumulate_grad_batches=2,
-        ckpt_path=checkpoint,
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT)
+    errors = raises_everywhere(out, lambda: fit(
+        ResumableModule(data, True), strategy, out, devices=resumed_on, accumulate_grad_batches=2, ckpt_path=checkpoint,
     ), ranks=resumed_on)
     for message in errors:
         assert "processes" in message, message
@@ -1024,7 +969,7 @@ def test_mid_epoch_resume_with_other_process_count(tmp_path: Path, mode: str, sa
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 16. DenominatorMonitor under plain DDP applies the strategy's count checks
+# DenominatorMonitor under plain DDP applies the strategy's count checks
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1042,9 +987,9 @@ def bad_on_rank_one(value: float) -> Callable[[Batch], Any]:
 @pytest.mark.parametrize("value", [float("nan"), -3.0], ids=["nan", "negative"])
 def test_monitor_under_plain_ddp_checks_counts(tmp_path: Path, value: float) -> None:
     monitor = DenominatorMonitor(count_fn=bad_on_rank_one(value))
-    errors = raises_everywhere(tmp_path, lambda: train(
-        TokenModule(ragged(2, 4, seed=201)), strategy_for("plain"), tmp_path, accumulate_grad_batches=2,
-        callbacks=[monitor],
+    errors = raises_everywhere(tmp_path, lambda: fit(
+        TokenModule(ragged(2, 4, seed=201)), strategy_for("plain", timeout=SHORT_TIMEOUT), tmp_path,
+        accumulate_grad_batches=2, callbacks=[monitor],
     ))
     for message in errors:
         assert message.startswith("DenominatorError"), message

@@ -66,7 +66,9 @@ class Float32Data(TokenModule):
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
-def test_64_true(tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_64_true_precision_is_exact_where_32_true_misses(
+    tmp_path: Path, mode: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """``precision="64-true"`` turns a float32 model and float32 batches into float64: the result is exact, where the
     same float32 setup under ``"32-true"`` misses the float64 reference by float32 rounding."""
     # the module and the reference both start from the float32 parameters

@@ -283,7 +283,7 @@ def test_batches_read_ahead(tmp_path: Path, method: str, loader: str, k: int, mo
 @pytest.mark.parametrize("mode", MODES)
 def test_stream_shorter_than_one_window(tmp_path: Path, mode: str) -> None:
     """Two batches per rank, K = 3, two epochs: each epoch is one window padded with a filler, and it ends there (a
-    stream's end is agreed at its first window's end too; it once ran on with empty windows)."""
+    stream's end is agreed at its first window's end too, with no empty windows after it)."""
     data = ragged_batches(2, 2, seed=3)
     params, windows = fit(TokenModule(data, iterable=True), strategy_for(mode), tmp_path, accumulate_grad_batches=3,
                           max_epochs=2)

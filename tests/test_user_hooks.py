@@ -9,7 +9,6 @@ they would get wrong.
 
 from __future__ import annotations
 
-from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +17,8 @@ import pytest
 import torch
 from _harness import (
     EXACT,
-    FORK,
     MODES,
+    SHORT_TIMEOUT,
     Batch,
     TokenModule,
     fit,
@@ -27,21 +26,12 @@ from _harness import (
     ragged_batches,
     reference_steps,
     relative_error,
+    strategy_for,
 )
 from _ranks import notes_of, raises_everywhere
 from lightning.pytorch.callbacks import BaseFinetuning, Callback
-from lightning.pytorch.strategies import DDPStrategy
 
-from token_mean import TokenMeanDDPStrategy
-
-TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes
 MISSES = 1e-6  # a plain-DDP control "misses" the reference by more than this
-
-
-def strategy_for(mode: str, **kwargs: Any) -> DDPStrategy:
-    if mode == "plain":
-        return DDPStrategy(**FORK, timeout=TIMEOUT)
-    return TokenMeanDDPStrategy(mode=mode, **FORK, timeout=TIMEOUT, **kwargs)  # type: ignore[arg-type]
 
 
 def nonempty_data(batches: int, seed: int) -> list[list[Batch]]:
@@ -71,10 +61,11 @@ class SkipsAStep(TokenModule):
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", [*MODES, "plain"])
 def test_optimizer_step_override_that_skips_an_update(tmp_path: Path, mode: str) -> None:
-    """The window after the skipped one is normalized by its own N (it once got the skipped window's N)."""
+    """The window after the skipped one is normalized by its own N, not by the skipped window's."""
     data = nonempty_data(6, seed=171)
     expected, counts = reference_steps(lightning_steps(data, ACCUMULATE), skipped={SKIPPED})
-    params, windows = fit(SkipsAStep(data), strategy_for(mode), tmp_path, accumulate_grad_batches=ACCUMULATE)
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT)
+    params, windows = fit(SkipsAStep(data), strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     error = relative_error(params, expected)
     if mode == "plain":
         assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
@@ -123,11 +114,12 @@ def step_of_first_error(message: str) -> int:
 @pytest.mark.parametrize("hook", ["before", "after"])
 def test_labels_changed_in_a_transfer_hook_refused_in_lookahead(tmp_path: Path, hook: str, edit: str) -> None:
     """Lookahead counted the batches as the loader yielded them: every rank raises at the first window, before its
-    update, naming the hooks and deferred mode (it once trained two wrong updates before a count went bad)."""
+    update, naming the hooks and deferred mode."""
     data = nonempty_data(6, seed=172)
     module = EditsInHook(data, hook, edit)
+    strategy = strategy_for("lookahead", timeout=SHORT_TIMEOUT)
     errors = raises_everywhere(
-        tmp_path, lambda: fit(module, strategy_for("lookahead"), tmp_path / "run", accumulate_grad_batches=2)
+        tmp_path, lambda: fit(module, strategy, tmp_path / "run", accumulate_grad_batches=2)
     )
     assert len(set(errors)) == 1, errors
     message = errors[0]
@@ -144,7 +136,8 @@ def test_labels_changed_in_a_transfer_hook_exact_in_deferred(tmp_path: Path, mod
     data = nonempty_data(6, seed=172)
     edited = [[HOOK_EDITS[edit](batch) for batch in rank] for rank in data]
     expected, counts = reference_steps(lightning_steps(edited, 2))
-    params, windows = fit(EditsInHook(data, "after", edit), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    strategy = strategy_for(mode, timeout=SHORT_TIMEOUT)
+    params, windows = fit(EditsInHook(data, "after", edit), strategy, tmp_path, accumulate_grad_batches=2)
     error = relative_error(params, expected)
     if mode == "plain":
         assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
@@ -190,7 +183,7 @@ def test_parameter_unfrozen_after_ddp_wrapped_the_model(tmp_path: Path, mode: st
     of epoch 1, before the first update it would have left unsynchronized, naming the parameter and the fix."""
     data = nonempty_data(4, seed=173)
     errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
-        TokenModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2,
+        TokenModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=2, max_epochs=2,
         callbacks=[UnfreezeHidden()],
     ))
     assert len(set(errors)) == 1, errors
@@ -205,8 +198,8 @@ def test_parameter_unfrozen_after_ddp_wrapped_the_model(tmp_path: Path, mode: st
 def test_parameter_unfrozen_after_ddp_wrapped_the_model_drifts_under_plain_ddp(tmp_path: Path) -> None:
     """The control: plain DDP trains the unfrozen parameters on each rank's own gradient; the replicas drift."""
     data = nonempty_data(4, seed=173)
-    fit(TokenModule(data), strategy_for("plain"), tmp_path, accumulate_grad_batches=2, max_epochs=3,
-        callbacks=[UnfreezeHidden(), EveryRanksParameters(tmp_path)])
+    fit(TokenModule(data), strategy_for("plain", timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=2,
+        max_epochs=3, callbacks=[UnfreezeHidden(), EveryRanksParameters(tmp_path)])
     assert replica_drift(tmp_path) > 1e-3
 
 
@@ -235,7 +228,7 @@ def test_a_rank_that_ends_its_epoch_early(tmp_path: Path, mode: str) -> None:
     data = nonempty_data(6, seed=174)
     module = LeavesEarly(data, iterable=True)
     errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
-        module, strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2
+        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=2, max_epochs=2
     ))
     assert len(set(errors)) == 1, errors
     message = errors[0]
