@@ -179,7 +179,7 @@ def scheduled_reference(data: list[list[dict[str, Tensor]]], accumulate: int) ->
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_window_advances_global_step_and_lr_schedule(tmp_path: Path, mode: str) -> None:
-    """The README: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler still
+    """docs/guarantees.md: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler still
     advance on it. K = 2, 2 ranks: window 1 of 3 holds no valid item on any rank."""
     data = with_empty(ragged_batches(2, 6, seed=9), [(0, 2), (0, 3), (1, 2), (1, 3)])
     params, windows = fit(Scheduled(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
@@ -267,7 +267,7 @@ READ_AHEAD = [
 @pytest.mark.distributed
 @pytest.mark.parametrize(("method", "loader", "k", "most_ahead"), READ_AHEAD)
 def test_batches_read_ahead(tmp_path: Path, method: str, loader: str, k: int, most_ahead: int) -> None:
-    """The README's "host memory: at most K batches read ahead" (lookahead) and "nothing extra" (deferred), exactly:
+    """docs/modes.md's "host memory: at most K batches read ahead" (lookahead) and "nothing extra" (deferred), exactly:
     the most batches a rank's loader yielded beyond the one in training is K in lookahead, and plain DDP's in
     deferred mode."""
     data = ragged_batches(2, 7, seed=12)
@@ -354,8 +354,8 @@ class LoggedLoss(TokenModule):
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_progress_bar_and_log_show_the_micro_batch_loss(tmp_path: Path, mode: str) -> None:
-    """The README: "Lightning's progress bar and `self.log("loss", ...)` keep showing your micro-batch loss; the
-    strategy rescales only what goes into `backward`". K = 3 with a partial last window, micro-batches far apart in
+    """docs/guarantees.md: the progress bar and `self.log` show the micro-batch's own loss; the strategy rescales only
+    what goes into `backward`, into a new tensor. K = 3 with a partial last window, micro-batches far apart in
     size, so the strategy's scale K·P·n/N (or n/D) is far from 1 on every micro-batch."""
     data = ragged_batches(2, 7, seed=13, keep=(0.9, 0.5))
     assert all(int((b["labels"] != -100).sum()) > 0 for rank in data for b in rank)  # no 0/0 mean to compare
