@@ -574,7 +574,8 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
     if variant in NAMED:
         assert error < HF_EXACT, f"hf/{variant}/{form}: relative parameter error {error:.3e}"
     elif variant == DEFAULT_COUNT:
-        # docs/counts.md ("Hugging Face causal LMs") and docs/guarantees.md quote this figure: the default count is 1.5e-1 off (0.1489 here)
+        # docs/counts.md ("Hugging Face causal LMs") and docs/guarantees.md quote this figure: the default count is
+        # 1.5e-1 off (0.1489 here)
         assert 0.10 < error < 0.20, f"hf: the default count is {error:.3e} off, docs/counts.md says 1.5e-1"
     else:
         assert error > 100 * HF_EXACT, f"hf: {variant} matched the reference ({error:.3e}): the test could not fail"

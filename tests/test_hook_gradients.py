@@ -1,5 +1,6 @@
 """What ``on_after_backward`` and ``on_before_optimizer_step`` see, in each mode, against a plain-torch float64 model
-of every micro-batch's gradient (docs/modes.md's table, rows "`on_after_backward` at a window's last micro-batch" and "while accumulating").
+of every micro-batch's gradient (docs/modes.md's table, rows "`on_after_backward` at a window's last micro-batch"
+and "while accumulating").
 
 Each rank records its whole gradient (FSDP2's shards gathered) in both hooks of every micro-batch. The reference
 replays the run in plain torch: at each window's weights, every micro-batch's gradient of its loss *sum*, ∇s_rj

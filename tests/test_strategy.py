@@ -179,8 +179,8 @@ def scheduled_reference(data: list[list[dict[str, Tensor]]], accumulate: int) ->
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_empty_window_advances_global_step_and_lr_schedule(tmp_path: Path, mode: str) -> None:
-    """docs/guarantees.md: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler still
-    advance on it. K = 2, 2 ranks: window 1 of 3 holds no valid item on any rank."""
+    """docs/guarantees.md: a window with N = 0 is skipped, but Lightning's `global_step` and a step-wise LR scheduler
+    still advance on it. K = 2, 2 ranks: window 1 of 3 holds no valid item on any rank."""
     data = with_empty(ragged_batches(2, 6, seed=9), [(0, 2), (0, 3), (1, 2), (1, 3)])
     params, windows = fit(Scheduled(data, tmp_path), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
     assert [w["skipped"] for w in windows] == [False, True, False]
