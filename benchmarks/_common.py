@@ -56,7 +56,8 @@ def environment(configuration: dict[str, Any]) -> dict[str, Any]:
             ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True, check=True
         ).stdout.strip()
         dirty = subprocess.run(
-            ["git", "status", "--porcelain", "src", "benchmarks/*.py", "tests/_harness.py", "tests/_cost.py"],
+            ["git", "status", "--porcelain", "src", "benchmarks/*.py", "tests/_harness.py", "tests/_cost.py",
+             "tests/_fabric.py", "tests/_fabric_cost.py"],
             cwd=ROOT, capture_output=True, text=True,
         ).stdout
         commit += "+dirty" if dirty.strip() else ""

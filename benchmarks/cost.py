@@ -2,14 +2,17 @@
 
 Two forked gloo CPU processes train the test suite's token model (``tests/_harness.py``) for 3 epochs of 3 windows of
 K = 4 micro-batches, with a sized loader (a ``Dataset``) and an unsized one (an ``IterableDataset``), with and without
-``DenominatorMonitor``; plain ``DDPStrategy`` runs in the same harness. ``tests/_cost.py`` counts, inside the
-workers, every c10d collective and aten op dispatched on the training thread and every host read of a tensor's
-values (``item``/``bool``/``float``, ``tolist``, ``numpy``, ``cpu``), and files each under its micro-batch, window
-and epoch. ``tests/test_cost.py`` pins the same numbers, so a regression fails the suite; this script records them.
+``DenominatorMonitor``; plain ``DDPStrategy`` runs in the same harness. A second table counts
+``TokenMeanAccumulator`` in a LitGPT-shaped Fabric loop (``tests/_fabric.py``, Fabric's ``DDPStrategy``, the same data,
+K and passes, loaders through ``fabric.setup_dataloaders``) against LitGPT's own loop. ``tests/_cost.py`` counts,
+inside the workers, every c10d collective and aten op dispatched on the training thread and every host read of a
+tensor's values (``item``/``bool``/``float``, ``tolist``, ``numpy``, ``cpu``), and files each under its micro-batch,
+window and epoch (``tests/_fabric_cost.py`` tells it a Fabric loop's). ``tests/test_cost.py`` pins the same numbers,
+so a regression fails the suite; this script records them.
 
 The counts are exact and do not depend on the machine's load: no warm-up or repetition is needed.
 
-    .venv/bin/python benchmarks/cost.py            # ~10 s -> benchmarks/results/cost.{json,md}
+    .venv/bin/python benchmarks/cost.py            # ~15 s -> benchmarks/results/cost.{json,md}
     .venv/bin/python benchmarks/cost.py --quick    # the same runs, written to a temporary folder
 """
 
@@ -32,6 +35,7 @@ from _common import (
     write_results,
 )
 from _cost import ACCUMULATE, DEVICES, EPOCHS, LOADERS, TABLE_HEADERS, WINDOWS_PER_EPOCH, measure, table_rows
+from _fabric_cost import measure as measure_fabric
 
 # Workers are forked from this process: one intra-op thread, set before any torch op (see fidelity.py).
 torch.set_num_threads(1)
@@ -64,6 +68,25 @@ asking for per-rank counts costs {monitor_ops} ops and P more slots in the recor
 measures the window itself with the strategy's window record: one all-reduce and one read per window, after the step.
 """
 
+FABRIC_READING = """\
+`TokenMeanAccumulator` in a LitGPT-shaped Fabric loop (`tests/_fabric.py`: `no_backward_sync`, the shifted loss, \
+`count_shifted_labels`, 3 ops), Fabric's `DDPStrategy` on the same {devices} forked gloo processes, data, K = \
+{accumulate} and passes, each rank's batches through `fabric.setup_dataloaders`. The first row of each loader is \
+LitGPT's own loop, `fabric.backward(loss / K)`, in absolute numbers (Fabric adds no collective or read to a step; per \
+pass the DataLoader reads its base seed); the others are the extra over it. "Per epoch" is per pass of \
+`accumulator.batches(loader)`.
+
+- **One all-reduce per window** and **no host read between a window's first forward and its last backward** in \
+both modes, except lookahead's `count_fn` on the next window's batches as the loader yielded them (CPU batches here; \
+a loader that moves batches to an accelerator would make each a device sync, so the example's train loader does \
+not). The window's record is read once, in `accumulator.finish()`, after the last backward.
+- **Per pass**: the ranks agree on the loader's length (a stream: that every rank is unsized, and that each holds \
+batches), plus lookahead's first-window counts.
+- **Ops per micro-batch**: lookahead {look_micro}, deferred {deferred_micro} (the count on the device, detaching \
+the loss, the scale and its backward, in place of LitGPT's `loss / K` and its backward); lookahead {look_end} and \
+deferred {deferred_end} more per window.
+"""
+
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -77,12 +100,15 @@ def main() -> None:
         "backend": "gloo, fork",
         "loaders": {"sized": "DataLoader(ListDataset)", "unsized": "DataLoader(StreamDataset), an IterableDataset"},
         "counting": "tests/_cost.py: TorchDispatchMode (aten, c10d) + Tensor.tolist/numpy/cpu, per rank",
+        "fabric": "tests/_fabric.py loops (LitGPT's, TokenMeanAccumulator), Fabric DDPStrategy(start_method='fork'),"
+                  " shifted loss and count_shifted_labels, loaders through fabric.setup_dataloaders",
     })
     started = time.perf_counter()
-    rows = []
+    rows, fabric_rows = [], []
     with tempfile.TemporaryDirectory() as tmp:
         for loader in LOADERS:
             rows += measure(loader, Path(tmp))
+            fabric_rows += measure_fabric(loader, Path(tmp))
     by_name = {(r.loader, r.method, r.monitor): r.cost for r in rows}
     look, deferred = by_name["sized", "lookahead", False], by_name["sized", "deferred", False]
     plain = by_name["sized", "plain", False]
@@ -94,15 +120,27 @@ def main() -> None:
         deferred_end=deferred.ops_per_window - ACCUMULATE * deferred.ops_per_micro_batch,
         monitor_ops=by_name["sized", "lookahead", True].ops_per_window - look.ops_per_window,
     )
+    fabric = {(r.loader, r.method): r.cost for r in fabric_rows}
+    fabric_look, fabric_deferred = fabric["sized", "lookahead"], fabric["sized", "deferred"]
+    fabric_reading = FABRIC_READING.format(
+        devices=DEVICES, accumulate=ACCUMULATE, look_micro=fabric_look.ops_per_micro_batch,
+        deferred_micro=fabric_deferred.ops_per_micro_batch,
+        look_end=fabric_look.ops_per_window - ACCUMULATE * fabric_look.ops_per_micro_batch,
+        deferred_end=fabric_deferred.ops_per_window - ACCUMULATE * fabric_deferred.ops_per_micro_batch,
+    )
     markdown = "\n\n".join([
         "### Cost: collectives, host reads and aten ops per micro-batch, window and epoch (2 gloo processes)",
         environment_markdown(env),
         markdown_table(TABLE_HEADERS, table_rows(rows)),
         reading.strip(),
+        "#### Fabric: TokenMeanAccumulator against LitGPT's loop",
+        markdown_table(TABLE_HEADERS, table_rows(fabric_rows)),
+        fabric_reading.strip(),
     ])
     payload = {
         "environment": env,
         "rows": [{"loader": r.loader, "method": r.method, "monitor": r.monitor, **asdict(r.cost)} for r in rows],
+        "fabric_rows": [{"loader": r.loader, "method": r.method, **asdict(r.cost)} for r in fabric_rows],
     }
     write_results(json_path, markdown_path, payload, markdown)
     print(markdown)

@@ -21,6 +21,9 @@ on it otherwise (deferred mode and the monitor count the device batch), ``token_
 outside torch is in the package, else ``other`` (Lightning, DDP, the model). The figures that the tests pin are
 differences against plain ``DDPStrategy`` in the same harness, so Lightning's own per-batch costs (a SIGTERM
 ``broadcast`` and its ``.item()`` before every batch under DDP) are netted out; the origins are a cross-check.
+
+:class:`Tallies` is the counting itself; :class:`CostCounter` tells it the Trainer's cycles and windows, and
+``tests/_fabric_cost.py`` a Fabric loop's (LitGPT's shape). :func:`summarize` and :func:`table_rows` serve both.
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import token_mean
 from token_mean import DenominatorMonitor, _lightning
 from token_mean._counting import read_count
-from token_mean._counts import count_valid_labels
+from token_mean._counts import count_shifted_labels, count_valid_labels
 
 DEVICES, ACCUMULATE = 2, 4
 WINDOWS_PER_EPOCH, EPOCHS = 3, 3
@@ -55,7 +58,7 @@ LOADERS = ("sized", "unsized")
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TOKEN_MEAN_DIR = os.path.dirname(token_mean.__file__) + os.sep
 _READ_COUNT = read_count.__code__
-_COUNT_FN = count_valid_labels.__code__
+_COUNT_FNS = (count_valid_labels.__code__, count_shifted_labels.__code__)  # the runs' count_fn
 _THIS_FILE = __file__
 _READS_WITHOUT_AN_OP = ("tolist", "numpy", "cpu")  # host reads that dispatch no aten op (item() dispatches one)
 Tally = collections.Counter[str]
@@ -69,7 +72,7 @@ def _origin() -> str:
     while frame is not None:
         if frame.f_code is _READ_COUNT:
             return "host_count"
-        counting = counting or frame.f_code is _COUNT_FN
+        counting = counting or frame.f_code in _COUNT_FNS
         filename = frame.f_code.co_filename
         if innermost is None and not filename.startswith(_TORCH_DIR) and filename != _THIS_FILE:
             innermost = filename
@@ -89,8 +92,13 @@ class _Dispatch(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class CostCounter(Callback):
-    """Files every collective, host read and aten op of the fit under its cycle; each rank writes ``rank{r}.json``."""
+class Tallies:
+    """Files every collective, host read and aten op under its micro-batch cycle, and under its window's in-window
+    tally between the window's first forward and the end of its last backward; the front end says when those are.
+
+    ``start`` replaces ``Tensor.tolist``, ``numpy`` and ``cpu`` and enters the dispatch mode, ``stop`` undoes it and
+    every ``wrap``; ``write`` saves the tallies (``rank{r}.json``, read back by :func:`summarize`).
+    """
 
     def __init__(self, directory: Path) -> None:
         self.directory = directory
@@ -100,7 +108,6 @@ class CostCounter(Callback):
         self._window: tuple[int, int] | None = None  # (epoch, window) whose first forward ran and last backward not
         self._epoch = -1
         self._window_index = -1
-        self._micro: int | None = None  # position in the open window of the micro-batch in flight
         self._steps_now = False
         self._in_backward = False
         self._reading = threading.local()
@@ -145,11 +152,13 @@ class CostCounter(Callback):
 
     # ------------------------------------------------------------------------------------------------ phases
 
-    def _wrap(self, owner: Any, name: str, before: Callable[[], None], after: Callable[[], None] | None) -> None:
+    def wrap(self, owner: Any, name: str, before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
+        """``owner.name`` (an instance's method) runs ``before`` and ``after`` around itself until ``stop``."""
         original = getattr(owner, name)
 
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            before()
+            if before is not None:
+                before()
             try:
                 return original(*args, **kwargs)
             finally:
@@ -159,35 +168,25 @@ class CostCounter(Callback):
         setattr(owner, name, wrapped)
         self._restore.append(lambda: owner.__dict__.pop(name, None))
 
-    def _start_micro_batch(self, trainer: pl.Trainer) -> None:
-        if trainer.current_epoch != self._epoch:
-            self._epoch, self._window_index, self._micro = trainer.current_epoch, -1, None
-        if self._micro is None:
-            self._window_index += 1
-            self._micro = 0
-        else:
-            self._micro += 1
-        self._steps_now = _lightning.steps_after_this_batch(trainer)
-        self._cycle = f"{self._epoch}/{self._window_index}/{self._micro}"
+    def cycle(self, epoch: int, window: int, micro: int, steps_now: bool) -> None:
+        """A micro-batch cycle starts: micro-batch ``micro`` of ``window`` of ``epoch``; ``steps_now``: its window's
+        last (the window ends with its backward)."""
+        self._epoch, self._window_index, self._steps_now = epoch, window, steps_now
+        self._cycle = f"{epoch}/{window}/{micro}"
 
-    def _first_forward(self) -> None:
+    def first_forward(self) -> None:
         if self._window is None:
             self._window = (self._epoch, self._window_index)
 
-    def _backward_done(self) -> None:
+    def backward_starts(self) -> None:
+        self._in_backward = True
+
+    def backward_done(self) -> None:
         self._in_backward = False
         if self._steps_now:
-            self._window, self._micro = None, None
+            self._window = None
 
-    # ------------------------------------------------------------------------------------------------ hooks
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        strategy = trainer.strategy
-        self._wrap(strategy, "training_step", lambda: self._start_micro_batch(trainer), None)
-        self._wrap(pl_module, "training_step", self._first_forward, None)
-        # the backward itself, `LightningModule.backward` (`loss.backward()`): the strategy's `backward` hook also
-        # reads the window's record after it, which is outside the window
-        self._wrap(pl_module, "backward", lambda: setattr(self, "_in_backward", True), self._backward_done)
+    def start(self) -> None:
         for name in _READS_WITHOUT_AN_OP:
             saved = torch.Tensor.__dict__.get(name)
             setattr(torch.Tensor, name, self._read_without_op(name, getattr(torch.Tensor, name)))
@@ -199,15 +198,53 @@ class CostCounter(Callback):
         self._mode = _Dispatch(self)
         self._mode.__enter__()
 
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+    def stop(self) -> None:
         if self._mode is not None:
             self._mode.__exit__(None, None, None)
             self._mode = None
         for restore in reversed(self._restore):
             restore()
         self._restore.clear()
+
+    def write(self, rank: int) -> None:
         record = {"cycles": self.cycles, "in_window": self.in_window}
-        (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record))
+        (self.directory / f"rank{rank}.json").write_text(json.dumps(record))
+
+
+class CostCounter(Tallies, Callback):
+    """The Trainer's cycles: from the strategy's ``training_step`` of one micro-batch to that of the next; each rank
+    writes ``rank{r}.json`` at teardown."""
+
+    def __init__(self, directory: Path) -> None:
+        super().__init__(directory)
+        self._micro: int | None = None  # position in the open window of the micro-batch in flight
+
+    def _start_micro_batch(self, trainer: pl.Trainer) -> None:
+        if trainer.current_epoch != self._epoch:
+            self._epoch, self._window_index, self._micro = trainer.current_epoch, -1, None
+        if self._micro is None:
+            self._window_index += 1
+            self._micro = 0
+        else:
+            self._micro += 1
+        self.cycle(self._epoch, self._window_index, self._micro, _lightning.steps_after_this_batch(trainer))
+
+    def backward_done(self) -> None:
+        if self._steps_now:
+            self._micro = None
+        super().backward_done()
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.wrap(trainer.strategy, "training_step", lambda: self._start_micro_batch(trainer), None)
+        self.wrap(pl_module, "training_step", self.first_forward, None)
+        # the backward itself, `LightningModule.backward` (`loss.backward()`): the strategy's `backward` hook also
+        # reads the window's record after it, which is outside the window
+        self.wrap(pl_module, "backward", self.backward_starts, self.backward_done)
+        self.start()
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self.stop()
+        self.write(trainer.global_rank)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -332,12 +369,20 @@ def summarize(rank: dict[str, Any]) -> Cost:
     )
 
 
+BASELINES = ("plain", "litgpt")  # plain DDPStrategy under the Trainer, LitGPT's loop under Fabric
+LABELS = {"litgpt": "LitGPT loop"}
+
+
 @dataclass(frozen=True)
 class Row:
     method: str
     loader: str
     monitor: bool
-    cost: Cost  # absolute for plain DDP without the monitor, else the extra over it (same loader)
+    cost: Cost  # absolute for a baseline without the monitor, else the extra over it (same loader)
+
+    @property
+    def absolute(self) -> bool:
+        return self.method in BASELINES and not self.monitor
 
 
 def measure(loader: str, directory: Path, monitors: tuple[bool, ...] = (False, True)) -> list[Row]:
@@ -392,11 +437,12 @@ TABLE_HEADERS = (
 
 
 def table_rows(rows: list[Row]) -> list[list[str]]:
-    """One line per run: absolute for plain DDP without the monitor, the extra over it for the others."""
+    """One line per run: absolute for a baseline (plain DDP, LitGPT's loop) without the monitor, the extra over it for
+    the others."""
     body = []
     for row in rows:
-        cost, signed = row.cost, not (row.method == "plain" and not row.monitor)
-        name = f"{row.method}{' + monitor' if row.monitor else ''}"
+        cost, signed = row.cost, not row.absolute
+        name = f"{LABELS.get(row.method, row.method)}{' + monitor' if row.monitor else ''}"
         body.append([
             row.loader,
             f"{name} (extra)" if signed else f"{name} (absolute)",
@@ -414,5 +460,5 @@ def table_rows(rows: list[Row]) -> list[list[str]]:
 
 __all__ = [
     "ACCUMULATE", "DEVICES", "EPOCHS", "LOADERS", "TABLE_HEADERS", "WINDOWS_PER_EPOCH", "Cost", "CostCounter", "Row",
-    "measure", "run", "summarize", "table_rows",
+    "Tallies", "cost_data", "measure", "run", "summarize", "table_rows",
 ]

@@ -3,26 +3,41 @@
 The model predicts each position's label from the features one position earlier, as a causal LM does: the loss is
 ``logits[:, :-1]`` against ``labels[:, 1:]``, computed in the loop, and its count is ``count_shifted_labels``.
 ``plain_loop`` is LitGPT's accumulation (``fabric.backward(loss / K)`` inside ``no_backward_sync``), the control that
-must miss; ``accumulator_loop`` is the same loop with the five lines changed. Workers are forked: Fabric's
-``DDPStrategy(start_method="fork")``, and ``ModelParallelStrategy`` (which only has the subprocess launcher) with
-Fabric's fork launcher swapped in (:func:`forked_model_parallel`).
+must miss; ``accumulator_loop`` is the same loop with the five lines changed. ``reference`` is the float64
+unpartitioned objective both are compared with. Workers are forked: Fabric's ``DDPStrategy(start_method="fork")``,
+and ``ModelParallelStrategy`` (which only has the subprocess launcher) with Fabric's fork launcher swapped in
+(:func:`forked_model_parallel`). Each rank reads its own list of batches, or (``loader="sized"``, ``"unsized"``) a
+``DataLoader`` over them that ``fabric.setup_dataloaders`` set up, as LitGPT's loaders are.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
 import torch.nn.functional as F
-from _harness import IGNORE_INDEX, Batch, TokenNet, initial_state, make_optimizer
+from _harness import (
+    IGNORE_INDEX,
+    Batch,
+    ListDataset,
+    StreamDataset,
+    TokenNet,
+    initial_state,
+    lightning_steps,
+    make_optimizer,
+    reference_steps,
+)
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
 from lightning.fabric.strategies.launchers.multiprocessing import _MultiProcessingLauncher
 from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
 from torch import Tensor, nn
+from torch.utils.data import DataLoader
 
 GLOO: dict[str, Any] = {"process_group_backend": "gloo"}
+LOADERS = ("list", "sized", "unsized")
+Observe = Callable[[Iterable[Batch]], Iterable[Batch]]  # wraps what the loop iterates (the cost counter's cycles)
 
 
 def shifted_loss(net: nn.Module, batch: Batch, reduction: str = "mean") -> Tensor:
@@ -41,6 +56,17 @@ def shifted_loss(net: nn.Module, batch: Batch, reduction: str = "mean") -> Tenso
 
 def shifted_count(batch: Batch) -> int:
     return int((batch["labels"][:, 1:] != IGNORE_INDEX).sum())
+
+
+def reference(
+    data: Sequence[Sequence[Batch]], accumulate: int, epochs: int = 1
+) -> tuple[dict[str, Tensor], list[float]]:
+    """The float64 unpartitioned objective over the loops' windows (K per rank, a short last one): the final
+    parameters and each step's N, the shifted loss counted by ``shifted_count`` (imports nothing from token_mean)."""
+    return reference_steps(
+        lightning_steps(data, accumulate, epochs), loss_sum=lambda net, batch: shifted_loss(net, batch, "sum"),
+        count=shifted_count,
+    )
 
 
 class _ForkedModelParallel(ModelParallelStrategy):
@@ -95,6 +121,19 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
     }
 
 
+def rank_batches(fabric: Fabric, data: Sequence[Sequence[Batch]], loader: str = "list") -> Iterable[Batch]:
+    """This rank's batches: the list itself, or a ``DataLoader`` over a ``Dataset`` (``"sized"``) or an
+    ``IterableDataset`` (``"unsized"``) of them, through ``fabric.setup_dataloaders`` (no sampler: they are the
+    rank's own already)."""
+    batches = list(data[data_rank(fabric)])
+    if loader == "list":
+        return batches
+    if loader not in LOADERS:
+        raise ValueError(f"`loader` must be one of {LOADERS}, got {loader!r}.")
+    dataset: Any = StreamDataset(batches) if loader == "unsized" else ListDataset(batches)
+    return fabric.setup_dataloaders(DataLoader(dataset, batch_size=None), use_distributed_sampler=False)
+
+
 def setup(fabric: Fabric) -> tuple[Any, Any]:
     net = TokenNet()
     net.load_state_dict(initial_state())
@@ -103,17 +142,27 @@ def setup(fabric: Fabric) -> tuple[Any, Any]:
     return model, optimizer
 
 
-def plain_loop(fabric: Fabric, data: Sequence[Sequence[Batch]], accumulate: int) -> dict[str, Tensor]:
-    """LitGPT's loop: a mean of means."""
+def plain_loop(
+    fabric: Fabric,
+    data: Sequence[Sequence[Batch]],
+    accumulate: int,
+    epochs: int = 1,
+    loss_fn: Callable[[nn.Module, Batch], Tensor] = shifted_loss,
+    loader: str = "list",
+    observe: Observe | None = None,
+) -> dict[str, Tensor]:
+    """LitGPT's loop: a mean of means (each rank steps every K batches and at its pass's last)."""
     model, optimizer = setup(fabric)
-    batches = data[data_rank(fabric)]
-    for index, batch in enumerate(batches):
-        accumulating = (index + 1) % accumulate != 0 and index + 1 != len(batches)
-        with fabric.no_backward_sync(model, enabled=accumulating):
-            fabric.backward(shifted_loss(model, batch) / accumulate)
-        if not accumulating:
-            optimizer.step()
-            optimizer.zero_grad()
+    batches = rank_batches(fabric, data, loader)
+    length = len(data[data_rank(fabric)])
+    for _ in range(epochs):
+        for index, batch in enumerate(batches if observe is None else observe(batches)):
+            accumulating = (index + 1) % accumulate != 0 and index + 1 != length
+            with fabric.no_backward_sync(model, enabled=accumulating):
+                fabric.backward(loss_fn(model, batch) / accumulate)
+            if not accumulating:
+                optimizer.step()
+                optimizer.zero_grad()
     return full_state(model)
 
 
@@ -125,6 +174,8 @@ def accumulator_loop(
     epochs: int = 1,
     windows: list[dict[str, Any]] | None = None,
     loss_fn: Callable[[nn.Module, Batch], Tensor] = shifted_loss,
+    loader: str = "list",
+    observe: Observe | None = None,
     **kwargs: Any,
 ) -> dict[str, Tensor]:
     """The same loop with ``TokenMeanAccumulator``; each finished window's stats go into ``windows``."""
@@ -132,10 +183,12 @@ def accumulator_loop(
     from token_mean.fabric import TokenMeanAccumulator
 
     model, optimizer = setup(fabric)
+    batches = rank_batches(fabric, data, loader)
     kwargs.setdefault("count_fn", count_shifted_labels)
     accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, **kwargs)
     for _ in range(epochs):
-        for batch in accumulator.batches(data[data_rank(fabric)]):
+        one_pass = accumulator.batches(batches)
+        for batch in one_pass if observe is None else observe(one_pass):
             with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
                 accumulator.backward(loss_fn(model, batch))
             if not accumulator.accumulating:

@@ -96,6 +96,11 @@ def test_cost_quick(tmp_path: Path) -> None:
     }
     # what test_cost.py pins in full: no host read of device data inside a window
     assert all(r["reads_in_window"] == r["reads_in_window_host_count"] for r in rows if r["method"] != "plain")
+    fabric = payload["fabric_rows"]
+    assert [(r["loader"], r["method"]) for r in fabric] == [
+        (loader, method) for loader in ("sized", "unsized") for method in ("litgpt", "lookahead", "deferred")
+    ]
+    assert all(r["collectives_per_window"] == {"allreduce": 1} for r in fabric if r["method"] != "litgpt")
 
 
 @pytest.mark.distributed

@@ -2,7 +2,8 @@
 
 Counted in the workers by ``tests/_cost.py`` (the same counter ``benchmarks/cost.py`` records its table with), for
 both modes, sized and unsized loaders, with and without ``DenominatorMonitor``, against plain ``DDPStrategy`` in the
-same harness. Every figure is an exact count, so an extra kernel, host read or collective fails here; if a change
+same harness; and for ``TokenMeanAccumulator`` in a Fabric loop (``tests/_fabric_cost.py``), both modes against
+LitGPT's own loop. Every figure is an exact count, so an extra kernel, host read or collective fails here; if a change
 means to alter one, update the pinned row and ``benchmarks/results/cost.md`` (``benchmarks/cost.py``) together.
 """
 
@@ -11,10 +12,12 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+import _fabric_cost
 import pytest
 import torch
 import torch.distributed as dist
 from _cost import ACCUMULATE, LOADERS, measure, run, summarize, table_rows
+from _fabric import shifted_loss
 
 # The rows of benchmarks/results/cost.md, without the loader column. Per rank, P = 2, K = 4. Plain DDP in absolute
 # numbers (Lightning broadcasts a SIGTERM flag and reads it with `.item()` before every batch), every other row the
@@ -89,6 +92,83 @@ def test_counter_sees_a_host_read_and_a_collective_in_the_window(tmp_path: Path)
     """The control: zeros above mean nothing if the counter could not see what it counts."""
     plain = summarize(run("plain", "sized", False, tmp_path / "plain")[0])
     reading = summarize(run("plain", "sized", False, tmp_path / "reading", read_and_reduce_in_training_step)[0])
+    difference = reading.minus(plain)
+    assert difference.reads_in_window == ACCUMULATE  # one per forward, all inside the window
+    assert difference.reads_in_window_host_count == 0
+    assert difference.collectives_per_window == {"allreduce": ACCUMULATE}
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fabric: TokenMeanAccumulator in the LitGPT-shaped loop of tests/_fabric.py, Fabric's DDPStrategy on 2 forked gloo
+# ranks, the same data, K = 4, 3 windows per pass and 3 passes, each rank's batches through
+# `fabric.setup_dataloaders`; the shifted loss, counted by `count_shifted_labels` (slice, ne, sum: 3 ops).
+# ---------------------------------------------------------------------------------------------------------------
+
+# Columns as above. LitGPT's loop in absolute numbers, each mode the extra over it (same loader).
+FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
+    "sized": [
+        # Fabric adds no collective or host read of its own to a step (DDP's gradient all-reduce aside); per pass
+        # only the DataLoader's base seed (`random_()` then `.item()`: 2 ops, 1 read)
+        ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
+        # per window: the record, read once after the last backward (+1 read). Per pass: the ranks agree on the
+        # loader's length and exchange the first window's counts, before any forward: 2 all-reduces, read once
+        # each. Per micro-batch: the batch counted as the loop trains it (3 ops, on the device), the loss detached,
+        # times the host scale and that product's backward, instead of `loss / K` and its backward (2 ops each):
+        # +4. Per window, 16 of those, the read-ahead counts of the next window on the batches as the loader
+        # yielded them (4 host reads, 12 ops; CPU batches here, and in the example, whose train loader does not
+        # move them), and 39 ops building, exchanging and reading the record and checking the counts agree
+        ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (3 the count)", "+67 (24 the count)", "+2"),
+        # per pass: the length only. Per micro-batch: the count on the device (3 ops), the loss detached, scaled by
+        # the provisional factor and the product's backward, in place of `loss / K` (2 ops): +5. Per window, 20 of
+        # those and 44 ops building, exchanging and reading the record and folding the gradient factor into DDP's
+        # bucket (its comm hook)
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+5 (3 the count)", "+64 (12 the count)",
+         "+1"),
+    ],
+    "unsized": [
+        ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
+        # per pass, a stream: the ranks agree that every one is unsized (the length's all-reduce) and that each
+        # holds batches (1 more); its end then rides in each window's record
+        ("lookahead (extra)", "+1 allreduce", "+3 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+3", "+4 (3 the count)", "+67 (24 the count)", "+3"),
+        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0", "+1", "+2", "+5 (3 the count)", "+64 (12 the count)",
+         "+2"),
+    ],
+}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("loader", LOADERS)
+def test_fabric_cost_is_pinned(tmp_path: Path, loader: str) -> None:
+    rows = _fabric_cost.measure(loader, tmp_path)
+    assert [tuple(cells[1:]) for cells in table_rows(rows)] == FABRIC_PINNED[loader]
+
+    costs = {row.method: row.cost for row in rows}
+    assert costs["litgpt"].gradient_per_window == {"allreduce": 1}  # DDP's own, one bucket
+    assert costs["litgpt"].collectives_per_window == {} and costs["litgpt"].reads_per_window == 0
+    for method in ("lookahead", "deferred"):
+        cost, where = costs[method], f"{method}, {loader}"
+        assert cost.collectives_per_window == {"allreduce": 1}, where  # exactly one extra all-reduce per window
+        # no host read of device data between a window's first forward and the end of its last backward
+        assert cost.reads_in_window == cost.reads_in_window_host_count, where
+        assert cost.gradient_per_window == {}, where  # DDP's gradient all-reduce: as many calls as LitGPT's
+        assert cost.ops_per_micro_batch < 10, where
+
+
+def read_and_reduce_in_the_loss(net: torch.nn.Module, batch: Any) -> torch.Tensor:
+    """What the accumulator must never do: a host read and a collective between a forward and its backward."""
+    loss = shifted_loss(net, batch)
+    float(loss)
+    dist.all_reduce(loss.detach().clone())
+    return loss
+
+
+@pytest.mark.distributed
+def test_fabric_counter_sees_a_host_read_and_a_collective_in_the_window(tmp_path: Path) -> None:
+    """The control: the Fabric counter's zeros mean nothing if it could not see what it counts."""
+    plain = summarize(_fabric_cost.run("litgpt", "sized", tmp_path / "plain")[0])
+    reading = summarize(_fabric_cost.run("litgpt", "sized", tmp_path / "reading", read_and_reduce_in_the_loss)[0])
     difference = reading.minus(plain)
     assert difference.reads_in_window == ACCUMULATE  # one per forward, all inside the window
     assert difference.reads_in_window_host_count == 0

@@ -1,10 +1,13 @@
-"""The examples end to end: the template ``train_masked_lm.py`` on 2 CPU processes, and the demo ``masked_lm.py``
-(reference vs token-mean vs plain DDP, as ``make demo`` runs it) with tiny settings."""
+"""The examples end to end: the template ``train_masked_lm.py`` and the Fabric template ``fabric_masked_lm.py`` on 2
+CPU processes, and the demo ``masked_lm.py`` (reference vs token-mean vs plain DDP, as ``make demo`` runs it) with
+tiny settings."""
 
 from __future__ import annotations
 
 import csv
+import itertools
 import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -12,13 +15,16 @@ from typing import cast
 
 import pytest
 import torch
+from _jobs import run_job
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 # The examples are scripts, not part of the installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
 
+import fabric_masked_lm
 import masked_lm
+import stdlib_corpus
 import train_masked_lm
 
 EXAMPLES = Path(masked_lm.__file__).parent
@@ -52,6 +58,83 @@ def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
 def test_template_accepts_a_gpu() -> None:
     args = train_masked_lm.parse_args(["--accelerator", "gpu", "--devices", "8", "--precision", "bf16-mixed"])
     assert (args.accelerator, args.devices, args.precision) == ("gpu", "8", "bf16-mixed")
+
+
+FABRIC_RUN = {"devices": 2, "accumulate": 2, "max_steps": 4, "eval_every": 2, "micro_batch_size": 2, "limit": 80}
+
+
+def fabric_template_counts(devices: int, accumulate: int, max_steps: int, micro_batch_size: int, limit: int,
+                           seed: int = 0, **_: object) -> list[float]:
+    """N of each step, recounted: the batches Fabric's DistributedSampler gives each rank (shuffled with the seed
+    that `fabric.seed_everything` sets, a new order each pass), K per rank and window, a short last window."""
+    train_pairs, _ = stdlib_corpus.train_val_split(stdlib_corpus.load_pairs(limit=limit), seed=seed)
+    dataset = stdlib_corpus.PairDataset(train_pairs)
+    counts: list[float] = []
+    for epoch in itertools.count():
+        ranks = []
+        for rank in range(devices):
+            sampler: DistributedSampler[int] = DistributedSampler(dataset, devices, rank, shuffle=True, seed=seed)
+            sampler.set_epoch(epoch)
+            loader = DataLoader(dataset, micro_batch_size, sampler=sampler, collate_fn=stdlib_corpus.collate)
+            ranks.append([int((batch["labels"] != -100).sum()) for batch in loader])
+        for start in range(0, len(ranks[0]), accumulate):
+            counts.append(float(sum(sum(rank[start : start + accumulate]) for rank in ranks)))
+        if len(counts) >= max_steps:
+            return counts[:max_steps]
+    raise AssertionError("unreachable")
+
+
+# FabricMonitor(record=...) norms the gradient and the parameters on rank 0 alone, with ops that fail on a DTensor
+# sharded unevenly (TinyLM's 259-row embedding over 2 ranks) and need a collective on every rank for any DTensor:
+# src/token_mean/_fingerprint.py and Observer.fingerprints (src/token_mean/_observe.py). Strict: it fails once fixed.
+FSDP_FINGERPRINTS = pytest.mark.xfail(
+    strict=True, raises=pytest.fail.Exception, reason="FabricMonitor's norms of a sharded model (_fingerprint.py)"
+)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("strategy", "mode"), [("ddp", "lookahead"), pytest.param("fsdp", "deferred", marks=FSDP_FINGERPRINTS)]
+)
+def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: str, mode: str) -> None:
+    """Fabric's subprocess launcher re-runs the script (ModelParallelStrategy has no other); every step's N in the
+    trace is the recount of the batches Fabric's sampler gave the two ranks."""
+    out = tmp_path / "run"
+    flags = [f"--{name.replace('_', '-')}={value}" for name, value in FABRIC_RUN.items()]
+    command = [
+        sys.executable, str(EXAMPLES / "fabric_masked_lm.py"), "--accelerator=cpu", f"--strategy={strategy}",
+        f"--mode={mode}", *flags, f"--out={out}",
+    ]  # fmt: skip
+    try:
+        run_job([command], tmp_path / "logs", timeout=180)
+    except subprocess.CalledProcessError as error:
+        pytest.fail(f"{error}\n{error.output[-4000:]}")
+    assert f"written to {out}" in (tmp_path / "logs" / "job0.log").read_text()
+
+    with (out / "trace.csv").open(newline="") as file:
+        trace = list(csv.DictReader(file))
+    assert [int(row["step"]) for row in trace] == [0, 1, 2, 3]
+    assert all(row["world_size"] == "2" and row["window_length"] == "2" for row in trace)
+    assert [float(row["global_count"]) for row in trace] == fabric_template_counts(**FABRIC_RUN)
+    assert all(math.isfinite(float(row[column])) for row in trace for column in ("loss", "grad_norm", "param_norm"))
+    with (out / "csv" / "metrics.csv").open(newline="") as file:
+        metrics = list(csv.DictReader(file))
+    val_losses = [float(row["val_loss"]) for row in metrics if row.get("val_loss")]
+    assert len(val_losses) == 2 and all(math.isfinite(loss) for loss in val_losses)  # at steps 2 and 4
+    # ddp: one file from rank 0; fsdp: a folder of model and optimizer shards, the rest in its meta.pt
+    saved = out / "last.ckpt" if strategy == "ddp" else out / "last.ckpt" / "meta.pt"
+    checkpoint = torch.load(saved, map_location="cpu", weights_only=False)
+    assert checkpoint["step"] == 4 and checkpoint["accumulator"]["windows"] == 4
+    if strategy == "ddp":
+        assert {"model", "optimizer"} <= set(checkpoint)
+    else:
+        assert len(list(saved.parent.glob("*.distcp"))) == 2  # one shard file per rank
+
+
+def test_fabric_template_accepts_a_gpu() -> None:
+    args = fabric_masked_lm.parse_args(["--accelerator", "gpu", "--devices", "8", "--strategy", "fsdp"])
+    assert (args.accelerator, args.devices, args.strategy) == ("gpu", "8", "fsdp")
 
 
 def test_reference_batches_are_the_ddp_steps() -> None:

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from _fabric import accumulator_loop, fabric_for, launched, plain_loop, shifted_count, shifted_loss
-from _harness import EXACT, MODES, Batch, empty_like, lightning_steps, ragged_batches, reference_steps, relative_error
+from _fabric import accumulator_loop, fabric_for, launched, plain_loop, reference
+from _harness import EXACT, MODES, Batch, empty_like, ragged_batches, relative_error
 
 MISSES = 1e-6
 
@@ -29,13 +29,6 @@ def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
             if batch["x"].shape[1] < 2:
                 rank[index] = {key: value.repeat(1, 2, *([1] * (value.dim() - 2))) for key, value in batch.items()}
     return data
-
-
-def reference(data: list[list[Batch]], accumulate: int, epochs: int = 1) -> tuple[Any, list[float]]:
-    return reference_steps(
-        lightning_steps(data, accumulate, epochs), loss_sum=lambda net, batch: shifted_loss(net, batch, "sum"),
-        count=shifted_count,
-    )
 
 
 @pytest.mark.distributed

@@ -9,14 +9,10 @@ process group (torch's default is 30 minutes), and a stalled rank would hang for
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
 import re
-import signal
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
@@ -37,6 +33,7 @@ from _harness import (
     reference,
     relative_error,
 )
+from _jobs import TORCHRUN, assert_process_group_destroyed_before_exit, run_job
 from _resume_helpers import (
     CHECKPOINT_EVERY,
     BatchLog,
@@ -53,50 +50,6 @@ from torch import Tensor
 from token_mean import TokenMeanDDPStrategy
 
 SCRIPT = Path(__file__).parent / "scripts" / "launch_token_mean.py"
-TORCHRUN = Path(sys.executable).with_name("torchrun")
-JOB_TIMEOUT = 120  # seconds: a hung job fails its test instead of freezing the suite
-# what a launcher sets: a leftover one in the test's environment would make a job join the wrong rendezvous
-LAUNCH_VARIABLES = (
-    "MASTER_ADDR", "MASTER_PORT", "RANK", "LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "GROUP_RANK", "LOCAL_WORLD_SIZE",
-    "TORCHELASTIC_RUN_ID", "PL_GLOBAL_SEED",
-)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# jobs in their own sessions, so that nothing they start can outlive the test
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT) -> None:
-    """Start the commands together, wait for all, and kill whatever their sessions still hold.
-
-    Raises:
-        subprocess.CalledProcessError: for the first command that exits non-zero; its log is the ``output``.
-        subprocess.TimeoutExpired: if the job is still running after `timeout` seconds.
-    """
-    env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
-    env["PYTHONUNBUFFERED"] = "1"
-    logs.mkdir(parents=True, exist_ok=True)
-    processes: list[tuple[list[str], subprocess.Popen[bytes], Path]] = []
-    try:
-        for index, command in enumerate(commands):
-            log = logs / f"job{index}.log"
-            with log.open("wb") as sink:
-                process = subprocess.Popen(
-                    command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=logs, start_new_session=True
-                )
-            processes.append((command, process, log))
-        deadline = time.monotonic() + timeout
-        for _, process, _ in processes:
-            process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    finally:
-        for _, process, _ in processes:
-            with contextlib.suppress(ProcessLookupError):  # the session holds the launcher's children too
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    for command, process, log in processes:
-        if process.returncode != 0:
-            raise subprocess.CalledProcessError(process.returncode, command, output=log.read_text(errors="replace"))
 
 
 def script(out: Path, *args: str) -> list[str]:
@@ -113,16 +66,6 @@ def assert_matches_reference(out: Path, modes: tuple[str, ...] = MODES) -> None:
     for mode in modes:
         error = relative_error(load_params(out / mode / "params.pt"), expected)
         assert error < EXACT, f"{mode}: relative parameter error {error:.3e}"
-
-
-def assert_process_group_destroyed_before_exit(out: Path) -> None:
-    """Both training processes exited with the process group already destroyed by the package.
-
-    The script never destroys it itself; a process that finalizes with a live gloo group aborts about one run in
-    three (SIGABRT after a finished fit), which is what made these launcher tests fail by chance.
-    """
-    reports = {rank: json.loads((out / f"exit-rank{rank}.json").read_text()) for rank in (0, 1)}
-    assert reports == {0: {"process_group_alive": False}, 1: {"process_group_alive": False}}, reports
 
 
 # ---------------------------------------------------------------------------------------------------------------

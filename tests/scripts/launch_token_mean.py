@@ -43,6 +43,7 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import Batch, Recorder, TokenModule, ragged_batches
+from _jobs import report_exit
 
 from token_mean import TokenMeanDDPStrategy
 
@@ -83,13 +84,6 @@ class RunInfo(Callback):
             environment = getattr(trainer.strategy, "cluster_environment", None)
             info = {"environment": type(environment).__name__, "world_size": trainer.world_size}
             (self.out / "run.json").write_text(json.dumps({**info, "num_nodes": trainer.num_nodes}))
-
-
-def report_exit(out: Path, rank: list[int]) -> None:
-    """Registered before any fit, so it runs after every handler the package registers (last in, first out)."""
-    if rank:
-        alive = torch.distributed.is_available() and torch.distributed.is_initialized()
-        (out / f"exit-rank{rank[0]}.json").write_text(json.dumps({"process_group_alive": alive}))
 
 
 def main() -> None:
