@@ -84,19 +84,9 @@ def fabric_template_counts(devices: int, accumulate: int, max_steps: int, micro_
     raise AssertionError("unreachable")
 
 
-# FabricMonitor(record=...) norms the gradient and the parameters on rank 0 alone, with ops that fail on a DTensor
-# sharded unevenly (TinyLM's 259-row embedding over 2 ranks) and need a collective on every rank for any DTensor:
-# src/token_mean/_fingerprint.py and Observer.fingerprints (src/token_mean/_observe.py). Strict: it fails once fixed.
-FSDP_FINGERPRINTS = pytest.mark.xfail(
-    strict=True, raises=pytest.fail.Exception, reason="FabricMonitor's norms of a sharded model (_fingerprint.py)"
-)
-
-
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("strategy", "mode"), [("ddp", "lookahead"), pytest.param("fsdp", "deferred", marks=FSDP_FINGERPRINTS)]
-)
+@pytest.mark.parametrize(("strategy", "mode"), [("ddp", "lookahead"), ("fsdp", "deferred")])
 def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: str, mode: str) -> None:
     """Fabric's subprocess launcher re-runs the script (ModelParallelStrategy has no other); every step's N in the
     trace is the recount of the batches Fabric's sampler gave the two ranks."""

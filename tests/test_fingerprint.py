@@ -8,7 +8,9 @@ from typing import Any
 
 import pytest
 import torch
-from _harness import TokenModule, ragged_batches
+import torch.distributed as dist
+from _fabric import fabric_for, launched, setup
+from _harness import TokenModule, initial_state, ragged_batches
 from _monitor_helpers import trainer_for
 
 import token_mean._fingerprint
@@ -103,3 +105,36 @@ def test_recorded_fingerprints_are_one_pass_each_and_exact_in_float64(
     # Lightning zeroes gradients at the start of a step, so the last step's are still there.
     grads = [p.grad for p in parameters if p.grad is not None]
     assert last["grad_norm"] == pytest.approx(float64_norm(grads), rel=1e-14)
+
+
+def _norms_on_every_rank(fabric: Any) -> list[float]:
+    """The parameters' and the gradients' global_norm of a sharded model, each as its largest and smallest value over
+    the ranks, and the gradients' float64 norm gathered whole."""
+    from torch.distributed.tensor import DTensor
+
+    model, _ = setup(fabric)
+    torch.manual_seed(0)
+    model(torch.randn(3, 4, 5, dtype=torch.float64)).square().sum().backward()
+    values = []
+    for tensors in ([p.detach() for p in model.parameters()], [p.grad for p in model.parameters()]):
+        norm = _global_norm(tensors, fabric.device)
+        assert norm is not None
+        extremes = torch.stack([norm, -norm])
+        dist.all_reduce(extremes, op=dist.ReduceOp.MAX)
+        values += [float(extremes[0]), -float(extremes[1])]
+    gradients = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in model.parameters()]
+    return [*values, float64_norm(gradients)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("devices", "tensor_parallel"), [(2, 1), (4, 2)], ids=["fsdp2", "fsdp2xtp"])
+def test_a_sharded_model_has_the_whole_models_norms(devices: int, tensor_parallel: int) -> None:
+    """FSDP2 shards the 7-row output layer unevenly (4 and 3 rows), and over a tensor-parallel shard as a
+    `_StridedShard`: every rank gets the norm of the whole parameters and gradients, not its shard's (or a reshape
+    error, or a collective that only rank 0 joins)."""
+    fabric = fabric_for("fsdp", devices, tensor_parallel)
+    largest, smallest, largest_grad, smallest_grad, whole_grad = launched(fabric, _norms_on_every_rank)
+    expected = float64_norm(list(initial_state().values()))
+    assert largest == smallest and largest_grad == smallest_grad  # the same on every rank
+    assert largest == pytest.approx(expected, rel=1e-14)
+    assert largest_grad == pytest.approx(whole_grad, rel=1e-14)

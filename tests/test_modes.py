@@ -348,7 +348,7 @@ def test_lookahead_checks_num_items_against_the_default_count_with_the_shifted_l
 def test_deferred_checks_num_items_against_a_given_count_fn() -> None:
     settings = Settings(count_valid_labels, True, "mean", True)
     loop = Loop("deferred", batches_with([7, 8]), accumulate=2, settings=settings, num_items=lambda batch: 3)
-    with pytest.raises(DenominatorError, match=r"`count_fn\(batch\)` and the 'num_items' returned by `training_step`"):
+    with pytest.raises(DenominatorError, match=r"`count_fn\(batch\)` and the 'num_items' reported with the loss"):
         loop.run()
     assert loop.hook == ("after_backward", 1)
 
@@ -375,7 +375,9 @@ def test_lookahead_raises_a_failing_count_fn_before_the_window_that_holds_the_ba
 
     # the counts of window 2 travel in window 1's record: raised after its last backward, before its update
     assert loop.hook == ("after_backward", 1)
-    assert raised.value.__notes__ == ["On rank 0: `count_fn` raised ValueError: no labels here"]
+    assert raised.value.__notes__ == [
+        "On rank 0: the batch at position 2 (read ahead): `count_fn` raised ValueError: no labels here"
+    ]
 
 
 def test_lookahead_raises_a_failing_count_fn_of_the_first_window_before_its_first_forward() -> None:
@@ -463,5 +465,5 @@ def test_deferred_refuses_an_aux_loss() -> None:
     batch = loop.reader.next_item()[0]
     loop.mode.begin(0, False, 2, "optimizer step 1 (epoch 0")
     loss = mean_loss(loop.model, batch)
-    with pytest.raises(ValueError, match=r"returned an 'aux_loss', which `mode='deferred'` cannot normalize"):
+    with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize"):
         loop.mode.after_forward(batch, StepOutput(loss, loss * 0.1, None, loss))

@@ -458,7 +458,7 @@ def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> No
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, torch.tensor(3), torch.tensor(4))
     closing = win.close()
     assert channel.exchanges[0].record[Slot.FIRST] == 0.0
-    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' returned") as raised:
+    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' reported") as raised:
         closing.result()
     assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
 

@@ -93,7 +93,7 @@ class Deferred(WindowMode):
         window = open_.window
         if output.aux_loss is not None:
             raise ValueError(
-                "token_mean: `training_step` returned an 'aux_loss', which `mode='deferred'` cannot normalize: its"
+                "token_mean: an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize: its"
                 " token scale is only known after the last backward, when both terms already share one gradient"
                 " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
             )

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import math
+
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
@@ -26,7 +29,8 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
     tensor's squares one after the other instead: in float32 the norm of a 1M-element tensor is then ~1e-5 off, by a
     different amount for nearly equal parameters, which would compare rounding rather than training. On the CPU each
     tensor is therefore reduced in rows of ``NORM_ROW`` elements (one kernel per tensor, 1e-10 off). ``None``
-    without tensors.
+    without tensors. DTensors (FSDP2, tensor parallelism) are normed shard by shard, and the square sums combined in
+    one all-reduce over the world: every rank must then call this, with its shards of the same tensors.
 
     Example:
         >>> import torch
@@ -35,6 +39,21 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
     """
     if not tensors:
         return None
+    local, shares = _local_shares(tensors)
+    if shares is None:
+        return torch.stack(_squares(tensors, device)).sum().sqrt()
+    # A sharded tensor's square sum is the sum of its shards' over the ranks; a shard held by r ranks weighs 1/r on
+    # each, so one SUM all-reduce over the world adds every distinct shard once.
+    by_share: dict[float, list[Tensor]] = {}
+    for tensor, share in zip(local, shares, strict=True):
+        by_share.setdefault(share, []).append(tensor)
+    total = torch.stack([torch.stack(_squares(group, device)).sum() * share for share, group in by_share.items()]).sum()
+    dist.all_reduce(total)
+    return total.sqrt()
+
+
+def _squares(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
+    """The square sums of ``tensors``, float64 on ``device`` (in no particular order)."""
     squares: list[Tensor] = []
     fused: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
@@ -45,7 +64,28 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
     for (_, dtype), group in fused.items():
         norms = _torch.norms(group, _norm_dtype(dtype))
         squares.extend(norm.to(device=device, dtype=torch.float64).square() for norm in norms)
-    return torch.stack(squares).sum().sqrt()
+    return squares
+
+
+def _local_shares(tensors: list[Tensor]) -> tuple[list[Tensor], list[float] | None]:
+    """Each tensor as this rank holds it (a DTensor's local shard) and the weight of its square sum in a SUM over the
+    world's ranks (None: no DTensor, every rank holds every tensor whole)."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(tensor, DTensor) for tensor in tensors):
+        return tensors, None
+    world = dist.get_world_size()
+    local, shares = [], []
+    for tensor in tensors:
+        shards = 1
+        if isinstance(tensor, DTensor):
+            # Shard, and _StridedShard (FSDP2 over a tensor-parallel shard, not `is_shard()`), split the tensor
+            sharded = [dim for dim, placement in enumerate(tensor.placements) if not placement.is_replicate()]
+            shards = math.prod(tensor.device_mesh.size(dim) for dim in sharded)
+            tensor = tensor.to_local()
+        local.append(tensor)
+        shares.append(shards / world)
+    return local, shares
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:

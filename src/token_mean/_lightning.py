@@ -5,7 +5,7 @@ A Lightning upgrade has this one file to check. Public hooks live in the strateg
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
@@ -217,6 +217,26 @@ def fabric_modules(model: Any) -> tuple[Any, Any] | None:
     return forward, wrapper._original_module
 
 
+def fabric_host_batches(loader: Any) -> tuple[Iterable[Any], Callable[[Any], Any]] | None:
+    """For a loader from ``fabric.setup_dataloaders`` that moves batches to a device: one pass over its host batches
+    and what moves one of them (None for any other iterable, or a loader that leaves batches where they are).
+
+    Relies on: ``_FabricDataLoader.__iter__`` calls ``_set_sampler_epoch(_dataloader, _num_iter_calls)``, increments
+    ``_num_iter_calls``, and yields ``move_data_to_device(item, _device)`` for each item of ``_dataloader`` when
+    ``_device`` is set.
+    """
+    from lightning.fabric.utilities.apply_func import move_data_to_device
+    from lightning.fabric.utilities.data import _set_sampler_epoch
+    from lightning.fabric.wrappers import _FabricDataLoader
+
+    if not isinstance(loader, _FabricDataLoader) or loader._device is None:
+        return None
+    _set_sampler_epoch(loader._dataloader, loader._num_iter_calls)
+    loader._num_iter_calls += 1
+    device = loader._device
+    return loader._dataloader, lambda batch: move_data_to_device(batch, device)
+
+
 def fabric_strategy_of(model: Any) -> Any:
     """The strategy that set up ``model`` (a ``_FabricModule``'s ``_strategy``)."""
     from lightning.fabric.wrappers import _unwrap_compiled
@@ -229,6 +249,7 @@ __all__ = [
     "checkpoint_loader_states",
     "epoch_length",
     "epoch_position",
+    "fabric_host_batches",
     "fabric_modules",
     "fabric_strategy_of",
     "has_loader_states_to_load",

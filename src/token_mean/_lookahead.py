@@ -84,7 +84,7 @@ class Lookahead(WindowMode):
             entries = self.reader.entries(start, stop)
             local, host = self._announce(entries, window)
             reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(window.flags)))
-            reduced.check(window.where, window.detail)
+            reduced.check(window.where_until(start + len(entries)), window.detail)
             counts = self._accept(reduced, start + len(entries), local, window)
         return _Open(window, counts)
 
@@ -98,7 +98,7 @@ class Lookahead(WindowMode):
             count, problem, detail = (0.0, None, "") if entry.filler else read_count(self.settings.count_fn,
                                                                                      entry.batch)
             if problem is not None:
-                window.flag(problem, detail)
+                window.flag(problem, f"the batch at position {entry.position} (read ahead): {detail}")
             local.append(count)
         total = sum(local)
         if not math.isfinite(total):  # finite counts whose sum overflows float64

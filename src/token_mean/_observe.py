@@ -97,8 +97,9 @@ class Observer:
 
     @property
     def fingerprints(self) -> bool:
-        """Whether the steps' gradient and parameter norms are needed (a trace is written or compared)."""
-        return self._writer is not None or self._reference is not None
+        """Whether the steps' gradient and parameter norms are needed (a trace is written or compared), on every rank:
+        the norm of a sharded model is a collective."""
+        return self.settings.record is not None or self._reference is not None
 
     def start(self, writes: bool, first_step: int, total_steps: float) -> None:
         """A run starts at ``first_step`` and takes ``total_steps`` (``inf``: unknown); ``writes``: rank zero."""

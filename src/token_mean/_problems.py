@@ -54,12 +54,12 @@ class Problem(Enum):
         "check the auxiliary term; it is averaged over every real micro-batch, empty ones included.",
     )
     NUM_ITEMS_MISMATCH_COUNT_FN = (
-        "`count_fn(batch)` and the 'num_items' returned by `training_step` disagree: two definitions of the"
-        " denominator",
-        "make them count the same items, or keep one of them (drop `count_fn`, or stop returning 'num_items').",
+        "`count_fn(batch)` and the 'num_items' reported with the loss (by `training_step`, or to"
+        " `accumulator.backward`) disagree: two definitions of the denominator",
+        "make them count the same items, or keep one of them (drop `count_fn`, or stop reporting 'num_items').",
     )
     NUM_ITEMS_MISMATCH_DEFAULT = (
-        "the default count (`batch['labels'] != -100`) and the 'num_items' returned by `training_step` disagree",
+        "the default count (`batch['labels'] != -100`) and the 'num_items' reported with the loss disagree",
         "pass the `count_fn` that counts what the loss averages over, for example"
         " `count_fn=token_mean.count_shifted_labels` when the model shifts the labels itself.",
     )
@@ -95,8 +95,9 @@ class Problem(Enum):
     OUT_OF_STEP = (
         "the ranks are out of step: they reached different collectives of the package",
         "make every rank run the same batches and steps: a hook that ends an epoch on some ranks only"
-        " (`on_train_batch_start` returning -1 on one rank), a rank-dependent `max_steps`, `limit_train_batches`"
-        " or data length without `pad_uneven_ranks`, or an exception caught on one rank leaves the others waiting.",
+        " (`on_train_batch_start` returning -1 on one rank, a `break` out of `accumulator.batches(...)` on one rank),"
+        " a rank-dependent `max_steps`, `limit_train_batches` or data length without `pad_uneven_ranks`, or an"
+        " exception caught on one rank leaves the others waiting.",
     )
     NO_BATCH = (
         "the rank's training loader yielded no batch this epoch while others did, so it has nothing to take part"

@@ -185,7 +185,7 @@ class Reader:
         if not self._entries or self._entries[0].position != position:
             raise RuntimeError(
                 f"token_mean: internal error: no batch at position {position} (next: {self._position}). Please report"
-                " this with your Trainer settings."
+                " this with your settings."
             )
         return self._entries[0]
 

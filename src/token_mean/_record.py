@@ -57,7 +57,7 @@ class Slot(IntEnum):
 class Kind(Enum):
     """Which collective a record belongs to, as a message names it."""
 
-    LENGTH = "the agreement on the epoch's length, when the training loaders were set up"
+    LENGTH = "the agreement on the length of an epoch (or of a Fabric pass)"
     BATCHES = "the check, at the start of an epoch, that the ranks' streams hold batches"
     FIRST_COUNTS = "the counts of an epoch's first window (lookahead)"
     WINDOW = "the end of an accumulation window"

@@ -132,7 +132,11 @@ class Window:
     @property
     def where(self) -> str:
         """The window as messages name it."""
-        return f"the accumulation window of {self.step}, batches {self.start}..{self.start + self.length - 1})"
+        return self.where_until(self.start + self.length)
+
+    def where_until(self, stop: int) -> str:
+        """The window as messages name it, for the micro-batches up to ``stop`` (its planned end before any)."""
+        return f"the accumulation window of {self.step}, batches {self.start}..{stop - 1})"
 
     @property
     def flags(self) -> set[Problem]:

@@ -28,6 +28,7 @@ DeepSpeed.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
@@ -181,6 +182,7 @@ class TokenMeanAccumulator:
         self._passes = 0
         self._windows = 0  # windows finished over all passes
         self._resume_position = 0  # batches of the pass to skip, from a checkpoint
+        self._abandoned: int | None = None  # the position where the last pass left a window unfinished
         self._last_window: WindowStats | None = None
 
 
@@ -219,16 +221,18 @@ class TokenMeanAccumulator:
         return self._pass(iterable)
 
     def _pass(self, iterable: Iterable[Any]) -> Iterator[Any]:
+        if self._iterating:  # two passes made before either started (`zip`)
+            raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
         self._iterating = True
         try:
             self._passes += 1
             start, self._resume_position = self._resume_position, 0
-            reader = _reader(iterable, start, self._mode, self._settings.pad_uneven_ranks)
+            reader, move = _reader(iterable, start, self._mode, self._settings.pad_uneven_ranks)
+            self._check_abandoned()
             self._mode.start_epoch(reader)
             if self._monitor is not None:
                 self._monitor.start(self._fabric)
-            position = reader.position
-            while True:
+            for position in itertools.count(start):
                 self._check_previous_batch()
                 try:
                     item = reader.next_item()
@@ -237,15 +241,26 @@ class TokenMeanAccumulator:
                 last = (position + 1) % self._accumulate == 0 or position + 1 >= reader.length
                 step = f"optimizer step {self._windows + 1} (pass {self._passes}"
                 filler = self._mode.begin(position, last, self._accumulate, step)
-                self._in_flight = _InFlight(position, last, filler, item[0])
+                self._in_flight = _InFlight(position, last, filler, move(item[0]))
                 with filler_batch(filler):
-                    yield item[0]
-                position += 1
+                    yield self._in_flight.batch
         finally:
             self._iterating = False
+            if self._in_flight is not None and not (self._in_flight.last and self._in_flight.finished):
+                self._abandoned = self._in_flight.position  # a `break` inside a window
             self._in_flight = None
             if self._monitor is not None:
                 self._monitor.stepped(self._model)
+
+    def _check_abandoned(self) -> None:
+        """The last pass ended inside a window: its partial gradient must not go into the next window's update."""
+        position, self._abandoned = self._abandoned, None
+        if position is not None and any(p.grad is not None for p in self._model.parameters()):
+            raise RuntimeError(
+                f"The last pass of `accumulator.batches(...)` ended inside a window (after batch {position}): its"
+                " partial gradient is still in the parameters' `.grad` and would go into the next update. Call"
+                " `optimizer.zero_grad()` before the next pass, or leave passes at a window boundary."
+            )
 
     def _check_previous_batch(self) -> None:
         flight = self._in_flight
@@ -397,6 +412,10 @@ def _layout(fabric: Any, forward: Any, original: Any) -> tuple[Layout, SyncFlags
     from lightning.fabric.strategies.single_device import SingleDeviceStrategy
 
     strategy, device = fabric.strategy, fabric.device
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):  # before DDP: DeepSpeed's strategy derives from it
+        why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
+               if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
+        raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
     if isinstance(strategy, SingleDeviceStrategy):
         return Layout(World.single(device), lambda: AfterReduction(original, 1)), lambda: ()
     if isinstance(strategy, DDPStrategy):
@@ -410,28 +429,41 @@ def _layout(fabric: Any, forward: Any, original: Any) -> tuple[Layout, SyncFlags
         check_reduction(forward, world.size, "TokenMeanAccumulator")
         layout = Layout(world, lambda: AfterReduction(forward, world.size))
         return layout, lambda: _torch.fsdp_reduces_gradients(forward)  # read by FSDP2 as the backward runs
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
-        why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
-               if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
-        raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
     raise ValueError(
         f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: use one device, `DDPStrategy` or"
         " `ModelParallelStrategy`."
     )
 
 
-def _reader(iterable: Iterable[Any], start: int, mode: WindowMode, pad_uneven_ranks: bool) -> Reader:
-    """A pass's reader over ``iterable`` from position ``start`` (a resumed pass skips the batches trained before):
-    the ranks agree on the pass's length first (one collective; a stream's end is agreed window by window)."""
+def _reader(
+    iterable: Iterable[Any], start: int, mode: WindowMode, pad_uneven_ranks: bool
+) -> tuple[Reader, Callable[[Any], Any]]:
+    """A pass's reader over ``iterable`` from position ``start`` (a resumed pass skips the batches trained before),
+    and what moves a batch to the device as the loop takes it: the ranks agree on the pass's length first (one
+    collective; a stream's end is agreed window by window).
+
+    Lookahead reads a window ahead: from a Fabric loader that moves batches to the device, it reads the host batches
+    beneath it, counts them there (a count of a device batch would be a host read inside the window), and moves each
+    batch as the loop takes it, as the loader would.
+    """
     local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
     length = agree_on_length(mode.channel, local, pad_uneven_ranks)
+    move: Callable[[Any], Any] = _unchanged
+    if mode.name == "lookahead":
+        host = _lightning.fabric_host_batches(iterable)
+        if host is not None:
+            iterable, move = host
     iterator = iter(iterable)
-    skipped = _skip(iterator, start)
-    reader = Reader(lambda: (next(iterator),), None, lambda: start)
-    if skipped is not None:  # this rank had run out: its last batch is repeated at weight zero
-        reader.adopt([skipped])
-    reader.start_epoch(length, resumed_exhausted=skipped is not None)
-    return reader
+    last, following = _skip(iterator, start)
+    reader = Reader(lambda: (next(following),), None, lambda: start)
+    if last is not None:  # this rank had run out: its last batch is repeated at weight zero
+        reader.adopt([(last,)])
+    reader.start_epoch(length, resumed_exhausted=last is not None)
+    return reader, move
+
+
+def _unchanged(batch: Any) -> Any:
+    return batch
 
 
 def _length(iterable: Iterable[Any]) -> int | None:
@@ -441,15 +473,22 @@ def _length(iterable: Iterable[Any]) -> int | None:
         return None
 
 
-def _skip(iterator: Iterator[Any], count: int) -> Any | None:
-    """Skip ``count`` items; the last one read when the iterator ran out first (None: it did not)."""
+def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any]]:
+    """Skip ``count`` items: ``(the last item, iterator)`` when the iterator ran out by then (the item a filler
+    repeats), else ``(None, the items after them)``."""
     last = None
-    for index in range(count):
+    for _ in range(count):
         try:
             last = next(iterator)
         except StopIteration:
-            return last if index > 0 else None
-    return None
+            return last, iterator
+    if count == 0:
+        return None, iterator
+    try:
+        following = next(iterator)
+    except StopIteration:
+        return last, iterator  # it ends exactly where the checkpoint was written
+    return None, itertools.chain([following], iterator)
 
 
 __all__ = ["FabricMonitor", "TokenMeanAccumulator"]
