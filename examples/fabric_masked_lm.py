@@ -29,8 +29,9 @@ Against LitGPT's loop (litgpt/finetune/lora.py, `fit`), the changes are:
     loss of logits[..., :-1, :] on targets[..., 1:]     count_fn=count_shifted_labels (this corpus shifts the
                                                         labels itself: the default, count_valid_labels)
     validate(): losses.mean() of per-batch means        TokenMeanLoss: Σ loss sums / Σ counts over all ranks
-    fabric.setup_dataloaders(train, val)                move_to_device=False for train: lookahead counts the batch
-                                                        on the host as the loader yields it (see the loop)
+
+`fabric.setup_dataloaders` stays as it is: in lookahead mode the accumulator reads the host batches beneath the loader
+a window ahead, counts them there, and moves each batch to the device as the loop takes it.
 """
 
 from __future__ import annotations
@@ -136,10 +137,7 @@ def main(args: argparse.Namespace) -> None:
     val_sampler = ExactDistributedSampler(val_set, num_replicas=fabric.world_size, rank=fabric.global_rank,
                                           shuffle=False)
     val_loader = DataLoader(val_set, batch_size=args.micro_batch_size, sampler=val_sampler, collate_fn=collate)
-    # Lookahead counts each batch as the loader yields it: on the host, it costs no device sync. So the train loader
-    # yields CPU batches and the loop moves them (Fabric still puts a DistributedSampler behind it).
-    train_loader = fabric.setup_dataloaders(train_loader, move_to_device=False)
-    val_loader = fabric.setup_dataloaders(val_loader)
+    train_loader, val_loader = fabric.setup_dataloaders(train_loader, val_loader)  # a DistributedSampler for train
     # the most validation batches any rank has: one collective, once
     val_batches = int(fabric.all_reduce(torch.tensor(len(val_loader), device=fabric.device), reduce_op="max"))
 
@@ -159,7 +157,6 @@ def main(args: argparse.Namespace) -> None:
     while step < args.max_steps:
         for batch in accumulator.batches(train_loader):  # one pass; every rank yields as many batches
             with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
-                batch = fabric.to_device(batch)
                 loss = masked_lm_loss(model(batch["input_ids"]), batch["labels"])  # this micro-batch's mean
                 accumulator.backward(loss)  # instead of fabric.backward(loss / K)
             if accumulator.accumulating:
