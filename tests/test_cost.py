@@ -115,8 +115,9 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
         # each. Per micro-batch: the batch counted as the loop trains it (3 ops, on the device), the loss detached,
         # times the host scale and that product's backward, instead of `loss / K` and its backward (2 ops each):
         # +4. Per window, 16 of those, the read-ahead counts of the next window on the batches as the loader
-        # yielded them (4 host reads, 12 ops; CPU batches here, and in the example, whose train loader does not
-        # move them), and 39 ops building, exchanging and reading the record and checking the counts agree
+        # yielded them (4 host reads, 12 ops; on the CPU batches beneath the loader, which moves each batch to the
+        # device only as the loop takes it), and 39 ops building, exchanging and reading the record and checking the
+        # counts agree
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+2", "+4 (3 the count)", "+67 (24 the count)", "+2"),
         # per pass: the length only. Per micro-batch: the count on the device (3 ops), the loss detached, scaled by
