@@ -47,25 +47,25 @@ absolute numbers; every other row is the **extra** over it (same loader, no moni
 netted out: under DDP it broadcasts a SIGTERM flag and reads it with `.item()` before every batch (the 4 broadcasts \
 and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} per window here, one bucket) is the \
 same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
-"(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the batch as the loader yielded it, before it \
-moves to the device, so on an accelerator they never wait for it; "(n the count)": the ops of `count_valid_labels` \
-itself (`ne`, `sum`), on that CPU batch in lookahead and on the device batch in deferred mode and in the monitor.
+"(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the next window's batches as the loader yielded \
+them, before they move to the device, so on an accelerator they never wait for it; "(n the count)": the ops of \
+`count_valid_labels` itself (`ne`, `sum`): lookahead counts each batch twice, read ahead on the CPU batch and as \
+`training_step` received it (checked to agree), deferred mode and the monitor once, on the device batch.
 
 - **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
-without the monitor, except lookahead's `count_fn` on the next window's CPU batches (one per micro-batch: the \
-rolling read-ahead). The window's record is read once per window, after its last backward.
+without the monitor, except lookahead's `count_fn` on the next window's CPU batches. The window's record is read \
+once per window, after its last backward (in the strategy's `backward` hook).
 - **Collectives: one all-reduce per window** (the record), plus per epoch: lookahead's first-window counts (before any \
-forward) and, for unsized loaders, one has-a-batch all-reduce. Deferred mode on an unsized loader adds a second, \
-blocking all-reduce per window, after the last backward, to agree whether the stream goes on (peeking before the \
-last backward could let a loader that refills one buffer overwrite the batch in flight).
-- **Ops per micro-batch**: lookahead {look_micro} (2 of them `count_fn` on the CPU batch; on the device: detach the \
-loss, scale it, and the scale's backward); deferred {deferred_micro} (`count_fn` on the device, its float64 cast, \
-detach, the scale, the loss times it and its backward). The rest is once per window: building, exchanging and \
-reading the record (lookahead {look_end}, deferred {deferred_end} more ops at the window's end, gradient factor and \
-comm hook included).
+forward) and, for unsized loaders, one has-a-batch all-reduce. A stream's end rides in each window's record in both \
+modes (deferred mode peeks one batch before the last backward, from a loader known to yield fresh memory).
+- **Ops per micro-batch**: lookahead {look_micro} (the count of the batch `training_step` received, detaching the \
+loss, scaling it, and the scale's backward); deferred {deferred_micro} (the count on the device, detaching the loss, \
+the scale, the loss times it and its backward). The rest is once per window: counting the next window's batches \
+(lookahead), building, exchanging and reading the record (lookahead {look_end}, deferred {deferred_end} more ops per \
+window, gradient factor and comm hook included).
 - `DenominatorMonitor` adds no collective and no host read under the strategy (it reads `strategy.last_window`; \
 asking for per-rank counts costs {monitor_ops} ops and P more slots in the record per window). Under plain DDP it \
-measures the window itself with the strategy's window record: one all-reduce and one read per window, after the step.
+measures the window itself with a window record: one all-reduce and one read per window, after the step.
 """
 
 FABRIC_READING = """\
@@ -77,9 +77,9 @@ pass the DataLoader reads its base seed); the others are the extra over it. "Per
 `accumulator.batches(loader)`.
 
 - **One all-reduce per window** and **no host read between a window's first forward and its last backward** in \
-both modes, except lookahead's `count_fn` on the next window's batches as the loader yielded them (CPU batches here; \
-a loader that moves batches to an accelerator would make each a device sync, so the example's train loader does \
-not). The window's record is read once, in `accumulator.finish()`, after the last backward.
+both modes, except lookahead's `count_fn` on the next window's batches as the loader yielded them (on the host: the \
+accumulator reads the CPU batches beneath a loader that moves them, and moves each as the loop takes it). The \
+window's record is read once, in `accumulator.finish()`, after the last backward.
 - **Per pass**: the ranks agree on the loader's length (a stream: that every rank is unsized, and that each holds \
 batches), plus lookahead's first-window counts.
 - **Ops per micro-batch**: lookahead {look_micro}, deferred {deferred_micro} (the count on the device, detaching \
