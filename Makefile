@@ -31,7 +31,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
 	$(VENV)/bin/mypy
 
-# Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: ~10 min on 2 cores.
+# Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: ~5 min on 2 cores.
 bench: $(STAMP)
 	$(PY) benchmarks/cost.py
 	$(PY) benchmarks/scale_model.py
