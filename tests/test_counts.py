@@ -454,7 +454,8 @@ def policy_loss_per_token(net: nn.Module, batch: Batch) -> Tensor:
     return batch["advantages"][:, None] * neg_log_prob
 
 
-# objective -> (count_fn, loss_reduction, what training_step returns); the table of docs/counts.md ("Objectives as settings")
+# objective -> (count_fn, loss_reduction, what training_step returns);
+# the table of docs/counts.md ("Objectives as settings")
 RL_SETTINGS: dict[str, tuple[Callable[[Any], Any] | None, str, StepLoss]] = {
     "token-mean": (None, "sum", lambda net, b: sequence_token_sums(policy_loss_per_token(net, b), b["labels"]).sum()),
     "seq-mean-token-sum": (
