@@ -2,9 +2,10 @@
 
 A job is one or more commands started together (one per torchrun node); ``run_job`` waits for all of them and then
 kills whatever their sessions still hold, so nothing a launcher started can outlive the test. A launcher script
-registers ``report_exit`` before it trains, so that the report runs after every exit handler of the package (last in,
-first out): each process that trained writes ``exit-rank{r}.json`` saying whether its default process group was
-still alive as the interpreter began to finalize.
+registers an :class:`ExitReport` before it trains, so that the report runs after every exit handler of the package
+(last in, first out): each process that trained writes ``exit-rank{r}.json`` saying whether its default process
+group was still registered, and whether the group object itself (with its gloo worker threads) still lived, as the
+interpreter began to finalize.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ import signal
 import subprocess
 import sys
 import time
+import weakref
 from pathlib import Path
+from typing import Any
 
 TORCHRUN = Path(sys.executable).with_name("torchrun")
 JOB_TIMEOUT = 120  # seconds: a hung job fails its test instead of freezing the suite
@@ -59,24 +62,42 @@ def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT)
             raise subprocess.CalledProcessError(process.returncode, command, output=log.read_text(errors="replace"))
 
 
-def report_exit(out: Path, rank: list[int]) -> None:
-    """Write ``out/exit-rank{r}.json`` if this process trained (``rank`` holds its global rank by then).
+class ExitReport:
+    """Registered with ``atexit`` before anything trains; ``trained(rank)`` once the process trained on a group.
 
-    Register it before anything trains, so that it runs after every handler the package registers (last in, first
-    out): the report then says whether the package destroyed the process group before the interpreter finalized.
+    It runs after every handler the package registers (last in, first out) and writes ``out/exit-rank{r}.json``:
+    ``process_group_alive`` (still registered with torch) and ``process_group_freed`` (the group object is gone, its
+    gloo threads joined). A group that is destroyed but still referenced keeps its threads into finalization, where
+    one that must take the GIL aborts the process (``token_mean._exit``).
     """
-    import torch.distributed as dist
 
-    if rank:
-        alive = dist.is_available() and dist.is_initialized()
-        (out / f"exit-rank{rank[0]}.json").write_text(json.dumps({"process_group_alive": alive}))
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.rank: int | None = None
+        self._group: weakref.ref[Any] | None = None
+
+    def trained(self, rank: int) -> None:
+        import torch.distributed as dist
+
+        if self.rank is None and dist.is_available() and dist.is_initialized():
+            self.rank, self._group = rank, weakref.ref(dist.group.WORLD)
+
+    def __call__(self) -> None:
+        import torch.distributed as dist
+
+        if self.rank is not None and self._group is not None:
+            alive = dist.is_available() and dist.is_initialized()
+            report = {"process_group_alive": alive, "process_group_freed": self._group() is None}
+            (self.out / f"exit-rank{self.rank}.json").write_text(json.dumps(report))
 
 
 def assert_process_group_destroyed_before_exit(out: Path, ranks: tuple[int, ...] = (0, 1)) -> None:
-    """Every training process exited with the process group already destroyed by the package.
+    """Every training process exited with its process group destroyed and freed by the package.
 
-    The launcher scripts never destroy it themselves; a process that finalizes with a live gloo group aborts about
-    one run in three (SIGABRT after a finished fit), which is what made the launcher tests fail by chance.
+    The launcher scripts never destroy it themselves; a process that finalizes with a live gloo group aborts now and
+    then (SIGABRT after a finished fit), which is what made the launcher tests fail by chance. Destroyed is not
+    enough: a group something still references keeps its threads, and aborts the same way (``token_mean._exit``).
     """
     reports = {rank: json.loads((out / f"exit-rank{rank}.json").read_text()) for rank in ranks}
-    assert reports == {rank: {"process_group_alive": False} for rank in ranks}, reports
+    expected = {"process_group_alive": False, "process_group_freed": True}
+    assert reports == {rank: expected for rank in ranks}, reports

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -33,8 +34,11 @@ class InReduction(GradientPath):
         self._model = model
 
     def attach(self, mode: Deferred) -> None:
-        # registered on every device type (Lightning registers `ddp_comm_hook` on CUDA only); one hook per model
-        self._model.register_comm_hook(mode, scaled_allreduce_hook)
+        # registered on every device type (Lightning registers `ddp_comm_hook` on CUDA only); one hook per model.
+        # The reducer (C++) holds the hook's state, and the mode leads back to this wrapper: a strong state would make
+        # a cycle through C++ that `gc` never frees, keeping DDP and the process group (its gloo threads) alive into
+        # interpreter finalization, where a thread that still has to take the GIL aborts the process (`_exit`).
+        self._model.register_comm_hook(weakref.proxy(mode), scaled_allreduce_hook)
 
     def after_backward(self, factor: Callable[[], Tensor]) -> None:
         pass  # the reduction applied it

@@ -1,16 +1,22 @@
-"""Destroy the default process group before the interpreter finalizes, so a finished job exits with status 0.
+"""Destroy and free the default process group before the interpreter finalizes, so a finished job exits with 0.
 
-A process that exits with a live gloo process group aborts about one run in three while the interpreter finalizes
-("terminate called without an active exception", SIGABRT: the group's threads are destroyed while still joinable),
-after training has finished and its results are written; a scheduler then marks the job failed. Lightning keeps the
-group alive after ``fit`` (a second ``fit`` reuses it), so the package destroys it at interpreter exit instead, for
-every process that trained with it: ``atexit`` handlers run before the interpreter finalizes, last registered first.
+A gloo group's worker threads outlive ``destroy_process_group()`` while anything still references the group (it only
+leaves torch's registry). A worker that finishes a collective whose tensor Python also holds must take the GIL to
+drop it; if the interpreter has begun to finalize by then, the thread exits inside C++ and the process aborts
+("terminate called without an active exception", SIGABRT) after training finished and its results were written: a
+scheduler marks the job failed. Lightning keeps the group after ``fit`` (a second ``fit`` reuses it), so the package
+ends it at interpreter exit instead, for every process that trained with it: ``atexit`` handlers run before the
+interpreter finalizes, last registered first. Destroying is not enough: the DDP wrappers Lightning drops at teardown
+sit in reference cycles that hold the group, so the handler collects them too, and the group's destructor joins its
+threads while the interpreter is whole. (The package's own DDP hook keeps its state weakly for the same reason:
+``_ddp.InReduction``.) A DDP-wrapped model the user's own code still holds keeps the group alive past this point.
 Forked and spawned workers leave with ``os._exit``, which runs no ``atexit`` handler and does not finalize either.
 """
 
 from __future__ import annotations
 
 import atexit
+import gc
 
 import torch.distributed as dist
 
@@ -28,3 +34,4 @@ def destroy_process_group_at_exit() -> None:
 def _destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+        gc.collect()  # the unreachable wrappers' cycles: the group's last references (module docstring)

@@ -13,7 +13,8 @@ Several modes train one after the other: under popen and torchrun in the same tw
 
 Rank 0 also writes OUT_DIR/MODE/run.json: the cluster environment Fabric detected and the world size. Each process
 that trained writes OUT_DIR/exit-rank{r}.json as the interpreter begins to exit, after the package's own exit handler
-(``tests/_jobs.py``): whether the default process group was still alive then (the script never destroys it). Forked
+(``tests/_jobs.py``): whether the default process group was still registered then, and whether it was freed (the
+script never destroys it). Forked
 workers leave with ``os._exit``, which runs no exit handler: under fork no process writes a report.
 """
 
@@ -32,12 +33,11 @@ from lightning.fabric.strategies import DDPStrategy
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _fabric import accumulator_loop
 from _harness import Batch, empty_like, ragged_batches
-from _jobs import report_exit
+from _jobs import ExitReport
 
 DATA_SEED, BATCHES, ACCUMULATE, EPOCHS = 13, 7, 3, 2  # windows [0..2] [3..5] [6] per pass: a short last one
 
-_trained_as: list[int] = []  # this process's global rank, once it trained (stays empty in a fork/spawn launcher)
-_reporting: list[Path] = []  # where this process reports, once its report is registered
+_reports: list[ExitReport] = []  # this process's report, once registered (says nothing in a fork/spawn launcher)
 
 
 def data() -> list[list[Batch]]:
@@ -49,9 +49,9 @@ def data() -> list[list[Batch]]:
 
 def report_at_exit(out: Path) -> None:
     """Once per process, before the first accumulator (whose construction registers the package's handler)."""
-    if not _reporting:
-        atexit.register(report_exit, out, _trained_as)
-        _reporting.append(out)
+    if not _reports:
+        _reports.append(ExitReport(out))
+        atexit.register(_reports[0])
 
 
 def train(fabric: Fabric, out: Path, mode: str) -> None:
@@ -59,8 +59,7 @@ def train(fabric: Fabric, out: Path, mode: str) -> None:
     report_at_exit(out)
     windows: list[dict[str, object]] = []
     params = accumulator_loop(fabric, data(), ACCUMULATE, mode, epochs=EPOCHS, windows=windows)
-    if torch.distributed.is_initialized() and not _trained_as:
-        _trained_as.append(fabric.global_rank)
+    _reports[0].trained(fabric.global_rank)
     if fabric.global_rank == 0:
         folder = out / mode
         torch.save(params, folder / "params.pt")

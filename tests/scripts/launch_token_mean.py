@@ -18,8 +18,8 @@ stalls:
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead --start-method fork --rank1 stall --timeout 5
 
 Each process that trained writes OUT_DIR/exit-rank{r}.json as the interpreter begins to exit, after the package's
-own exit handler: whether the default process group was still alive then (the script itself never destroys it; a
-process that finalizes with a live gloo group aborts about one run in three).
+own exit handler (``tests/_jobs.py``): whether the default process group was still registered then, and whether it
+was freed (the script itself never destroys it; a process that finalizes with a live gloo group aborts now and then).
 
 Under popen and spawn the timeout also bounds the rendezvous, which waits for the child processes to import torch and
 Lightning (3 to 15 s on a busy 2-core machine): a 5 s timeout can fail there, before training starts. Forked workers
@@ -43,7 +43,7 @@ from lightning.pytorch.callbacks import Callback
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import Batch, Recorder, TokenModule, ragged_batches
-from _jobs import report_exit
+from _jobs import ExitReport
 
 from token_mean import TokenMeanDDPStrategy
 
@@ -98,8 +98,8 @@ def main() -> None:
     if args.start_method == "fork":
         torch.set_num_threads(1)  # an OpenMP pool that has run does not survive a fork
 
-    trained_as: list[int] = []  # this process's global rank, once it trained (stays empty in a fork/spawn launcher)
-    atexit.register(report_exit, args.out, trained_as)
+    report = ExitReport(args.out)  # says nothing for a fork/spawn launcher, which never trains itself
+    atexit.register(report)
     failed = False
     for mode in args.mode:
         out: Path = args.out / mode
@@ -126,8 +126,7 @@ def main() -> None:
                 raise  # this process's own process group is broken
             failed = True  # the next mode trains in fresh workers
             continue
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and not trained_as:
-            trained_as.append(trainer.global_rank)
+        report.trained(trainer.global_rank)
     if failed:
         sys.exit(1)
 
