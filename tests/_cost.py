@@ -64,6 +64,22 @@ _READS_WITHOUT_AN_OP = ("tolist", "numpy", "cpu")  # host reads that dispatch no
 Tally = collections.Counter[str]
 
 
+def wrap_around(owner: Any, name: str, before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
+    """Run ``before`` and ``after`` around ``owner.name`` (an instance attribute in front of the method)."""
+    original = getattr(owner, name)
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        if before is not None:
+            before()
+        try:
+            return original(*args, **kwargs)
+        finally:
+            if after is not None:
+                after()
+
+    setattr(owner, name, wrapped)
+
+
 def _origin() -> str:
     """Who caused the event being counted: ``host_count``, ``count``, ``token_mean`` or ``other`` (module docstring)."""
     frame = sys._getframe(2)
@@ -154,18 +170,7 @@ class Tallies:
 
     def wrap(self, owner: Any, name: str, before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
         """``owner.name`` (an instance's method) runs ``before`` and ``after`` around itself until ``stop``."""
-        original = getattr(owner, name)
-
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            if before is not None:
-                before()
-            try:
-                return original(*args, **kwargs)
-            finally:
-                if after is not None:
-                    after()
-
-        setattr(owner, name, wrapped)
+        wrap_around(owner, name, before, after)
         self._restore.append(lambda: owner.__dict__.pop(name, None))
 
     def cycle(self, epoch: int, window: int, micro: int, steps_now: bool) -> None:

@@ -38,6 +38,7 @@ from lightning.pytorch.strategies import DDPStrategy, ModelParallelStrategy, Str
 from torch import Tensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from _cost import wrap_around
 from _harness import Batch, Recorder, TokenModule, empty_like, ragged_batches
 from _mesh import MeshModule
 
@@ -161,12 +162,12 @@ class SyncWatch(Callback):
 
     def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
         strategy = trainer.strategy
-        _wrap(strategy, "training_step", lambda: self._begin_micro_batch(trainer), self._forward_done)
+        wrap_around(strategy, "training_step", lambda: self._begin_micro_batch(trainer), self._forward_done)
         # the window opens at its first forward: lookahead counts an epoch's first window before it, as documented
-        _wrap(pl_module, "training_step", self._forward, None)
-        _wrap(strategy, "backward", lambda: setattr(self, "_phase", "step"), None)
+        wrap_around(pl_module, "training_step", self._forward, None)
+        wrap_around(strategy, "backward", lambda: setattr(self, "_phase", "step"), None)
         # ... and ends with the backward itself: the strategy's `backward` reads the window's record after it
-        _wrap(pl_module, "backward", None, self._backward_done)
+        wrap_around(pl_module, "backward", None, self._backward_done)
         warnings.filterwarnings("always", message=SYNC)
         self._show_previous, warnings.showwarning = warnings.showwarning, self._show
 
@@ -177,22 +178,6 @@ class SyncWatch(Callback):
             "window_lengths": self.window_lengths, "syncs": self.syncs,
         }
         (self.directory / f"rank{trainer.global_rank}.json").write_text(json.dumps(record, indent=1))
-
-
-def _wrap(owner: Any, name: str, before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
-    """Run ``before`` and ``after`` around ``owner.name`` (an instance attribute in front of the method)."""
-    original = getattr(owner, name)
-
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        if before is not None:
-            before()
-        try:
-            return original(*args, **kwargs)
-        finally:
-            if after is not None:
-                after()
-
-    setattr(owner, name, wrapped)
 
 
 # ---------------------------------------------------------------------------------------------------------------
