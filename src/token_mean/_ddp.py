@@ -38,7 +38,7 @@ class InReduction(GradientPath):
         # The reducer (C++) holds the hook's state, and the mode leads back to this wrapper: a strong state would make
         # a cycle through C++ that `gc` never frees, keeping DDP and the process group (its gloo threads) alive into
         # interpreter finalization, where a thread that still has to take the GIL aborts the process (`_exit`).
-        self._model.register_comm_hook(weakref.proxy(mode), scaled_allreduce_hook)
+        self._model.register_comm_hook(weakref.ref(mode), scaled_allreduce_hook)
 
     def after_backward(self, factor: Callable[[], Tensor]) -> None:
         pass  # the reduction applied it
