@@ -189,6 +189,18 @@ def test_own_gradient_divide_factor_is_an_error(tmp_path: Path) -> None:
         fit(DividedModule(ragged_batches(2, 2)), strategy_for("lookahead", 2, 1), tmp_path)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulate_grad_batches": 2}, r"a `Trainer` argument: pass `accumulate_grad_batches` to the `Trainer`"),
+        ({"find_unused_parameters": True}, r"unexpected argument `find_unused_parameters=True`.*`tensor_parallel`"),
+    ],
+)
+def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    with pytest.raises(TypeError, match=match):
+        TokenMeanModelParallelStrategy(**kwargs)
+
+
 def test_registered_name() -> None:
     trainer = pl.Trainer(
         strategy="model_parallel_token_mean", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False

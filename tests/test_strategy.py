@@ -543,6 +543,33 @@ def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
         TokenMeanDDPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"accumulate_grad_batches": 2}, r"`accumulate_grad_batches=2`, which is a `Trainer` argument: pass"
+         r" `accumulate_grad_batches` to the `Trainer`"),
+        ({"devices": 2}, r"`devices=2`, which is a `Trainer` argument: pass `devices` to the `Trainer`"),
+        ({"find_unused_parameter": True}, r"argument `find_unused_parameter=True`.*`find_unused_parameters`"),
+    ],
+)
+def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
+    """Without the check, DDP's constructor would fail after launch in every process ("unexpected keyword")."""
+    with pytest.raises(TypeError, match=match):
+        TokenMeanDDPStrategy(**kwargs)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("accumulate", [0, -2])
+def test_non_positive_accumulation_is_refused_at_fit_start(tmp_path: Path, accumulate: int) -> None:
+    errors = raises_everywhere(
+        tmp_path, lambda: fit(TokenModule(ragged_batches(2, 2)), strategy_for("lookahead"), tmp_path,
+                              accumulate_grad_batches=accumulate)
+    )
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: `accumulate_grad_batches` must be a positive int"), errors[0]
+    assert f"got {accumulate}" in errors[0], errors[0]
+
+
 class Manual(TokenModule):
     def __init__(self, data: Any) -> None:
         super().__init__(data)

@@ -263,6 +263,13 @@ def _once(result: Any) -> Callable[[], Any]:
 def _check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:
     """Refuse, at fit start, what the strategy cannot normalize exactly."""
     module = trainer.lightning_module
+    accumulate = trainer.accumulate_grad_batches
+    if not isinstance(accumulate, int) or accumulate < 1:
+        # Lightning takes any value here and fails later, in its loop (0: ZeroDivisionError)
+        raise ValueError(
+            f"`accumulate_grad_batches` must be a positive int (the micro-batches of one optimizer step), got"
+            f" {accumulate!r}: pass `Trainer(accumulate_grad_batches=K)` with K >= 1."
+        )
     if not module.automatic_optimization:
         raise ValueError(
             f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 import lightning.pytorch as pl
@@ -13,9 +14,13 @@ from torch import Tensor
 from typing_extensions import override
 
 from token_mean import _lightning
+from token_mean._arguments import check_passed_through, named_parameters
 from token_mean._core import Layout
 from token_mean._fsdp import AfterReduction, Outputs, check_reduction, mesh_world
 from token_mean._hooks import TokenMeanStrategy
+from token_mean._mode import Mode
+
+_PASSED_THROUGH = named_parameters(ModelParallelStrategy.__init__)
 
 
 class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
@@ -67,6 +72,8 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
             ``process_group_backend``, ``timeout``).
 
     Raises:
+        TypeError: for an argument ``ModelParallelStrategy`` does not take (a ``Trainer`` argument such as
+            ``accumulate_grad_batches`` goes to the ``Trainer``).
         ValueError: for an unknown ``mode`` or ``loss_reduction`` or a ``count_fn`` that is not callable; in
             ``setup``, for an FSDP2 module with its own gradient divide factor or sharded over a mesh other than the
             data-parallel one.
@@ -90,6 +97,10 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
             strategy_registry.register(
                 cls.strategy_name, cls, description="Token-mean ModelParallelStrategy (FSDP2 × tensor parallelism)"
             )
+
+    @override
+    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+        check_passed_through(type(self).__name__, "ModelParallelStrategy", kwargs, _PASSED_THROUGH)
 
     @override
     def _layout(self) -> Layout:

@@ -10,12 +10,18 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from token_mean import _lightning
+from token_mean._arguments import check_passed_through, named_parameters
 from token_mean._core import Layout
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._hooks import TokenMeanStrategy
 from token_mean._mode import Mode
 from token_mean._record import World
 
+# DDPStrategy keeps its own named arguments and hands the rest to DistributedDataParallel when it wraps the model
+# (after launch); `module` and `device_ids` it fills in itself.
+_PASSED_THROUGH = named_parameters(DDPStrategy.__init__) | named_parameters(
+    DistributedDataParallel.__init__, leave_out=("module", "device_ids")
+)
 
 class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     r"""DDP with gradient accumulation that optimizes the mean loss over all valid items of each optimizer step.
@@ -69,6 +75,8 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     Raises:
         ValueError: for an unknown ``mode`` or ``loss_reduction``, a ``count_fn`` that is not callable, or a
             ``ddp_comm_hook`` in deferred mode.
+        TypeError: for an argument neither ``DDPStrategy`` nor ``DistributedDataParallel`` takes (a ``Trainer``
+            argument such as ``accumulate_grad_batches`` goes to the ``Trainer``).
 
     After each window, :attr:`last_window` holds a :class:`~token_mean.WindowStats`.
 
@@ -85,6 +93,7 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
     @override
     def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+        check_passed_through(type(self).__name__, "DDPStrategy` or `DistributedDataParallel", kwargs, _PASSED_THROUGH)
         if mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with `mode='deferred'`, which installs its own gradient"
