@@ -193,7 +193,7 @@ def test_own_gradient_divide_factor_is_an_error(tmp_path: Path) -> None:
     ("kwargs", "match"),
     [
         ({"accumulate_grad_batches": 2}, r"a `Trainer` argument: pass `accumulate_grad_batches` to the `Trainer`"),
-        ({"find_unused_parameters": True}, r"unexpected argument `find_unused_parameters=True`.*`tensor_parallel`"),
+        ({"find_unused_parameters": True}, r"argument `find_unused_parameters=True`.*`tensor_parallel_size`"),
     ],
 )
 def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
