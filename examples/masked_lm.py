@@ -65,7 +65,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
 from tiny_lm import LMConfig, TinyLM
-from train_masked_lm import Batch, MaskedLM
+from train_masked_lm import Batch, MaskedLM, positive
 
 from token_mean import TokenMeanDDPStrategy
 from token_mean.callback import DenominatorMonitor
@@ -466,21 +466,17 @@ def plot(
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--run", choices=("all", *RUNS), default="all", help="the demo (default), or one run alone")
-    parser.add_argument("--steps", type=int, default=120, help="optimizer steps of every run (default: 120)")
-    parser.add_argument("--devices", type=int, default=2, help="P, the DDP processes (default: 2)")
-    parser.add_argument("--accumulate", type=int, default=4, help="K, micro-batches per step and process (default: 4)")
+    parser.add_argument("--steps", type=positive, default=120, help="optimizer steps of every run (default: 120)")
+    parser.add_argument("--devices", type=positive, default=2, help="P, the DDP processes (default: 2)")
+    parser.add_argument("--accumulate", type=positive, default=4, help="K, micro-batches per step and process")
     parser.add_argument("--mode", choices=("lookahead", "deferred"), default="lookahead", help="of the strategy")
-    parser.add_argument("--micro-batch-size", type=int, default=2, help="samples per micro-batch (default: 2)")
+    parser.add_argument("--micro-batch-size", type=positive, default=2, help="samples per micro-batch (default: 2)")
     parser.add_argument("--data", help='JSON Lines of {"prompt", "response"} pairs (default: the standard library)')
-    parser.add_argument("--limit", type=int, help="use only the first LIMIT pairs (default: all)")
+    parser.add_argument("--limit", type=positive, help="use only the first LIMIT pairs (default: all)")
     parser.add_argument("--out", help="run folder (default: runs/masked_lm-<timestamp>; runs/masked_lm with --run)")
     parser.add_argument("--seed", type=int, default=0, help="initialization, split and order (default: 0)")
     parser.add_argument("--precision", choices=("32-true", "64-true"), default="32-true")
-    args = parser.parse_args(argv)
-    for name in ("steps", "devices", "accumulate", "micro_batch_size"):
-        if getattr(args, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    return args
+    return parser.parse_args(argv)
 
 
 if __name__ == "__main__":

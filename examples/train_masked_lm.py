@@ -79,17 +79,31 @@ class MaskedLM(pl.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
+def positive(text: str) -> int:
+    """A count (steps, micro-batches, pairs), refused below 1 before launch: Lightning would fail in each process."""
+    if int(text) < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return int(text)
+
+
+def processes(text: str) -> str:
+    """``--devices``: a number of processes (at least 1), or what Lightning reads itself ('auto', '-1', '0,1')."""
+    if text in ("0", "-0") or (text.startswith("-") and text != "-1"):
+        raise argparse.ArgumentTypeError(f"must be a number of processes (at least 1) or 'auto', got {text}")
+    return text
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (default: auto, a GPU if one is seen)")
-    parser.add_argument("--devices", default="1", help="processes, one per device: a number or 'auto' (default: 1)")
-    parser.add_argument("--accumulate", type=int, default=4, help="K, micro-batches per optimizer step and process")
+    parser.add_argument("--devices", type=processes, default="1", help="processes, one per device, or 'auto'")
+    parser.add_argument("--accumulate", type=positive, default=4, help="K, micro-batches per step and process")
     parser.add_argument("--mode", choices=("lookahead", "deferred"), default="lookahead", help="TokenMeanDDPStrategy")
     parser.add_argument("--precision", default="32-true", help="32-true, bf16-mixed, 16-mixed, 64-true, ...")
-    parser.add_argument("--max-steps", type=int, default=300, help="optimizer steps (default: 300)")
-    parser.add_argument("--eval-every", type=int, default=100, help="optimizer steps between validations")
-    parser.add_argument("--micro-batch-size", type=int, default=8, help="pairs per micro-batch and process")
-    parser.add_argument("--limit", type=int, help="use only the first LIMIT pairs of the corpus (default: all)")
+    parser.add_argument("--max-steps", type=positive, default=300, help="optimizer steps (default: 300)")
+    parser.add_argument("--eval-every", type=positive, default=100, help="optimizer steps between validations")
+    parser.add_argument("--micro-batch-size", type=positive, default=8, help="pairs per micro-batch and process")
+    parser.add_argument("--limit", type=positive, help="use only the first LIMIT pairs (default: all)")
     parser.add_argument("--seed", type=int, default=0, help="initialization, split and shuffle (default: 0)")
     parser.add_argument("--out", type=Path, default=Path("runs/train_masked_lm"), help="checkpoints, trace, logs")
     return parser.parse_args(argv)

@@ -127,6 +127,37 @@ def test_fabric_template_accepts_a_gpu() -> None:
     assert (args.accelerator, args.devices, args.strategy) == ("gpu", "8", "fsdp")
 
 
+@pytest.mark.parametrize("script", [train_masked_lm, fabric_masked_lm, masked_lm])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--accumulate", "0"], "argument --accumulate: must be at least 1, got 0"),
+        (["--accumulate", "-2"], "argument --accumulate: must be at least 1, got -2"),
+        (["--micro-batch-size", "0"], "argument --micro-batch-size: must be at least 1, got 0"),
+        (["--limit", "0"], "argument --limit: must be at least 1, got 0"),
+        (["--devices", "0"], "argument --devices: must be"),
+    ],
+)
+def test_parsers_refuse_non_positive_counts(
+    script: object, argv: list[str], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Refused before any process starts (the Trainer would take `accumulate_grad_batches=0` and fail in its loop)."""
+    with pytest.raises(SystemExit) as exit_info:
+        script.parse_args(argv)  # type: ignore[attr-defined]
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("script", [train_masked_lm, fabric_masked_lm])
+@pytest.mark.parametrize("option", ["--max-steps", "--eval-every"])
+def test_template_parsers_refuse_non_positive_steps(
+    script: object, option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit):
+        script.parse_args([option, "0"])  # type: ignore[attr-defined]
+    assert f"argument {option}: must be at least 1, got 0" in capsys.readouterr().err
+
+
 def test_reference_batches_are_the_ddp_steps() -> None:
     """The reference's batch of every step is the union of what the P ranks' loaders feed that step, every epoch."""
     dataset = cast(Dataset[int], list(range(29)))  # 15 per rank, 8 micro-batches: a short last window
