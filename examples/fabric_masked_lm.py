@@ -50,6 +50,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples are scripts side by side, not a package
+from arguments import positive, processes
 from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
 from tiny_lm import LMConfig, TinyLM, masked_lm_loss
 
@@ -57,20 +58,6 @@ from token_mean import ExactDistributedSampler, TokenMeanLoss, count_valid_label
 from token_mean.fabric import FabricMonitor, TokenMeanAccumulator
 
 Batch = dict[str, Tensor]
-
-
-def positive(text: str) -> int:
-    """A count (steps, micro-batches, pairs), refused below 1 before launch: Lightning would fail in each process."""
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return int(text)
-
-
-def processes(text: str) -> str:
-    """``--devices``: a number of processes (at least 1), or what Lightning reads itself ('auto', '-1', '0,1')."""
-    if text in ("0", "-0") or (text.startswith("-") and text != "-1"):
-        raise argparse.ArgumentTypeError(f"must be a number of processes (at least 1) or 'auto', got {text}")
-    return text
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

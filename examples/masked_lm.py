@@ -63,9 +63,10 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
 
 # The examples are scripts beside each other, not an installed package.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from arguments import positive
 from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
 from tiny_lm import LMConfig, TinyLM
-from train_masked_lm import Batch, MaskedLM, positive
+from train_masked_lm import Batch, MaskedLM
 
 from token_mean import TokenMeanDDPStrategy
 from token_mean.callback import DenominatorMonitor

@@ -32,6 +32,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the examples are scripts side by side, not a package
+from arguments import positive, processes
 from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
 from tiny_lm import LMConfig, TinyLM, masked_lm_loss
 
@@ -77,20 +78,6 @@ class MaskedLM(pl.LightningModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
-
-
-def positive(text: str) -> int:
-    """A count (steps, micro-batches, pairs), refused below 1 before launch: Lightning would fail in each process."""
-    if int(text) < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
-    return int(text)
-
-
-def processes(text: str) -> str:
-    """``--devices``: a number of processes (at least 1), or what Lightning reads itself ('auto', '-1', '0,1')."""
-    if text in ("0", "-0") or (text.startswith("-") and text != "-1"):
-        raise argparse.ArgumentTypeError(f"must be a number of processes (at least 1) or 'auto', got {text}")
-    return text
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
