@@ -568,8 +568,13 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
     data = with_empty_micro_batch(causal_lm_batches(2, 7, seed=61), rank=0, index=3)
     train_data = with_shift_labels(data) if form == "shift_labels" else data
     module = ObjectiveModule(hf_model(), train_data, lambda net, b: net(**b).loss, lr=HF_LR)
-    params, _ = fit(module, strategy_for_variant(variant, count_fn=count_shifted_labels), tmp_path,
-                    accumulate_grad_batches=ACCUMULATE)
+    # the default count is refused for this model (test_default_count_is_refused_for_a_label_shifting_model): the
+    # control names it, and an explicit count always wins
+    count = count_valid_labels if variant == DEFAULT_COUNT else count_shifted_labels
+    strategy = strategy_for("lookahead", count_fn=count) if variant == DEFAULT_COUNT else strategy_for_variant(
+        variant, count_fn=count
+    )
+    params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     error = relative_error(params, run_reference(hf_model(), data, hf_objective, lr=HF_LR))
     print(f"hf/{variant}/{form}: relative parameter error {error:.6e}")
     if variant in NAMED:
@@ -580,6 +585,37 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
         assert 0.10 < error < 0.20, f"hf: the default count is {error:.3e} off, docs/counts.md says 1.5e-1"
     else:
         assert error > 100 * HF_EXACT, f"hf: {variant} matched the reference ({error:.3e}): the test could not fail"
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_default_count_is_refused_for_a_label_shifting_model(tmp_path: Path, mode: str) -> None:
+    """A `...ForCausalLM` whose `.loss` the step returns, with no `count_fn`: every rank refuses at fit start, naming
+    both counts, before a step trains on the default count's other objective."""
+    module = ObjectiveModule(hf_model(), causal_lm_batches(2, 3, seed=61), lambda net, b: net(**b).loss, lr=HF_LR)
+    errors = raises_everywhere(
+        tmp_path / "outcomes", lambda: fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=ACCUMULATE)
+    )
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: `TokenMeanDDPStrategy` got no `count_fn`, and the LightningModule holds"
+                                " `LlamaForCausalLM`"), errors[0]
+    assert "`count_fn=token_mean.count_shifted_labels`" in errors[0], errors[0]
+    assert "`count_fn=token_mean.count_valid_labels` if the collator already shifted the labels" in errors[0]
+
+
+def test_label_shifting_models_are_told_apart() -> None:
+    from token_mean._hf import label_shifting_model
+
+    transformers = pytest.importorskip("transformers")
+    causal = hf_model()
+    assert label_shifting_model(ObjectiveModule(causal, [], lambda net, b: net(**b).loss)) is causal
+    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB,
+                                                                 bos_token_id=1, eos_token_id=2))
+    assert label_shifting_model(nn.ModuleList([nn.Linear(2, 2), gpt2])) is gpt2  # named LMHeadModel, not ForCausalLM
+    classifier = transformers.LlamaForSequenceClassification(causal.config)
+    assert label_shifting_model(classifier) is None  # its loss does not shift
+    assert label_shifting_model(causal.model) is None  # the bare decoder has no loss
+    assert label_shifting_model(TinyCausalLM()) is None  # shifts too, but is no Hugging Face model: the user's count
 
 
 # ---------------------------------------------------------------------------------------------------------------

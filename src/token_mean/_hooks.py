@@ -128,6 +128,8 @@ class TokenMeanStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         _check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation)
+        if not self._settings.count_fn_given:
+            _check_default_count(type(self).__name__, trainer.lightning_module)
         self._mode = make_mode(self._mode_name, self._layout(), self._settings, self._track_rank_counts)
         _lightning.read_through(trainer, self._on_epoch, self._on_setup_data)
 
@@ -258,6 +260,15 @@ def _once(result: Any) -> Callable[[], Any]:
         return result
 
     return replay
+
+
+def _check_default_count(name: str, module: Module) -> None:
+    """Refuse the default count for a model whose own loss shifts the labels (every rank holds the same classes)."""
+    from token_mean._hf import label_shifting_model, shifted_labels_advice
+
+    model = label_shifting_model(module)
+    if model is not None:
+        raise ValueError(shifted_labels_advice(name, model))
 
 
 def _check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:

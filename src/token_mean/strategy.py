@@ -74,7 +74,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
     Raises:
         ValueError: for an unknown ``mode`` or ``loss_reduction``, a ``count_fn`` that is not callable, or a
-            ``ddp_comm_hook`` in deferred mode.
+            ``ddp_comm_hook`` in deferred mode; at fit start, on every rank, when no ``count_fn`` was given and the
+            module holds a Hugging Face causal LM whose loss shifts the labels (``count_shifted_labels`` or, for
+            labels already shifted, ``count_valid_labels``: an explicit count is always used as given).
         TypeError: for an argument neither ``DDPStrategy`` nor ``DistributedDataParallel`` takes (a ``Trainer``
             argument such as ``accumulate_grad_batches`` goes to the ``Trainer``).
 
