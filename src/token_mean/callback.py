@@ -9,17 +9,31 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
+from token_mean._audit import (
+    Audit,
+    AuditError,
+    AuditSchedule,
+    MicroBatch,
+    Objective,
+    OnAuditFailure,
+    RngState,
+    audited_parameters,
+    failure_message,
+    objective_error,
+    refusal,
+)
 from token_mean._compare import Divergence
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
@@ -68,11 +82,24 @@ class DenominatorMonitor(Callback):
         on_divergence: at the first divergent step, ``"warn"`` warns, ``"raise"`` raises
             :class:`~token_mean.DivergenceError` on every rank, ``"log"`` logs ``{prefix}/reference_divergence`` at
             every step and says it once through ``rank_zero_info``.
+        audit_every: audit the first window and every this many windows after it (``None``, the default: never).
+            The objective audit (``docs/audit.md``) recomputes the gradient of the window's token-mean objective
+            by replaying its micro-batches on the unwrapped module, before ``on_before_optimizer_step`` and
+            clipping, and compares it with ``.grad``: it logs ``{prefix}/audit_error`` and appends an
+            :class:`~token_mean.Audit` to :attr:`audits`. It works under any strategy, plain ``DDPStrategy`` and
+            one device included.
+        on_audit_failure: when the error exceeds the tolerance, ``"raise"`` raises :class:`~token_mean.AuditError`
+            (a :class:`~token_mean.DenominatorError`) on every rank before the update, ``"warn"`` warns,
+            ``"log"`` says it through ``rank_zero_info``.
+        audit_tolerance: the largest error that passes; ``None``: by dtype (1e-10 for float64, 1e-4 for float32,
+            5e-2 under ``bf16-mixed``, 1e-2 under ``16-mixed``).
 
     Raises:
-        ValueError: if a setting is out of range, a trace suffix is not ``.csv``/``.jsonl``/``.ndjson``, or ``record``
-            and ``reference`` are the same file; at fit start, if the reference is malformed or covers a different
-            number of optimizer steps than this run.
+        AuditError: with ``on_audit_failure="raise"``, at the first audited window whose gradient is wrong.
+        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit (FSDP2 or tensor
+            parallel DTensors, ``SyncBatchNorm``); if a setting is out of range, a trace suffix is not
+            ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same file; at fit start, if
+            the reference is malformed or covers a different number of optimizer steps than this run.
         TypeError: if ``count_fn`` is not callable.
         DivergenceError: with ``on_divergence="raise"``, at the first divergent step.
 
@@ -96,8 +123,12 @@ class DenominatorMonitor(Callback):
         rtol: float = 1e-4,
         atol: float = 1e-6,
         on_divergence: OnDivergence = "warn",
+        audit_every: int | None = None,
+        on_audit_failure: OnAuditFailure = "warn",
+        audit_tolerance: float | None = None,
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
+        self._auditing = _Auditing(AuditSchedule(audit_every, on_audit_failure, audit_tolerance))
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -114,6 +145,11 @@ class DenominatorMonitor(Callback):
         self._grad_norm: Tensor | None = None
         self._step_at_batch_start = 0
         self._warned_missing_window = False
+
+    @property
+    def audits(self) -> list[Audit]:
+        """Every audited window of the last fit, in order (empty without ``audit_every``)."""
+        return self._auditing.audits
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -138,6 +174,8 @@ class DenominatorMonitor(Callback):
         reduction = self._loss_reduction_arg or ("mean" if self._strategy is None else self._strategy.loss_reduction)
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
+        aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
+        self._auditing.setup(trainer, pl_module, Objective(_training_step_loss, count_fn, reduction, aux))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -146,6 +184,7 @@ class DenominatorMonitor(Callback):
         self._warned_missing_window = False
         self._reset_window()
         self._measuring.start(trainer.strategy.root_device)
+        self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
 
     def _reset_window(self) -> None:
@@ -162,9 +201,13 @@ class DenominatorMonitor(Callback):
         self._step_at_batch_start = trainer.global_step
         if self._window_length == 0:
             self._window_started_at = time.perf_counter()
+        filler = self._strategy is not None and self._strategy.is_filler_batch
+        self._auditing.batch_start(trainer.global_step, self._window_length == 0, batch, batch_idx, filler)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        # callbacks' hooks run before the module's, and clipping after both: `.grad` is what the update would use
+        self._auditing.before_update(trainer, pl_module, self._strategy)
         if self._observer is not None and self._observer.fingerprints:
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
@@ -184,12 +227,14 @@ class DenominatorMonitor(Callback):
         elapsed = time.perf_counter() - self._window_started_at
         stats, naive_loss = self._measuring.finish() if self._strategy is None else (self._published(step), None)
         self._reset_window()
+        audit = self._auditing.window_end(step)
         if stats is None:
             return
         self.last_window = stats
         norms = (gradient, self._param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
-        metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss)
-        if (self._should_log(trainer, step) or divergent) and trainer.is_global_zero:
+        audit_error = None if audit is None else audit.error
+        metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
+        if (self._should_log(trainer, step) or divergent or audit_error is not None) and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -239,6 +284,122 @@ def _check_measurement(count_fn: object, loss_reduction: object) -> None:
         raise ValueError(
             f"`loss_reduction` must be 'mean' (training_step returns the mean loss) or 'sum', got {loss_reduction!r}."
         )
+
+
+def _training_step_loss(module: torch.nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
+    """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    assert isinstance(module, LightningModule)
+    step = module.training_step
+    args: tuple[Any, ...] = (micro_batch.batch, micro_batch.index)
+    if not is_param_in_hook_signature(step, "batch_idx", min_args=2):
+        args = args[:1]
+    # instance attributes shadow the methods for the replay only: the run's logged metrics stay as they were
+    module.log, module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
+    try:
+        output = step(*args)
+    finally:
+        del module.log, module.log_dict
+    if isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        aux = output.get("aux_loss")
+        return output["loss"], aux if isinstance(aux, Tensor) else None
+    return None, None  # a skipped micro-batch: no gradient
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class _Auditing:
+    """The monitor's objective audit (``_audit``): records an audited window's micro-batches and audits its update."""
+
+    def __init__(self, schedule: AuditSchedule) -> None:
+        self._schedule = schedule
+        self.audits: list[Audit] = []
+        self._objective: Objective | None = None
+        self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
+        self._done = False  # the window's audit ran (one per window, whatever the optimizers)
+        self._precision: str | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, objective: Objective) -> None:
+        if not self._schedule.enabled:
+            return
+        why = refusal(pl_module)
+        if why is not None:
+            raise ValueError(
+                f"`DenominatorMonitor(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
+                " `audit_every`."
+            )
+        context = trainer.strategy.precision_plugin.train_step_context
+        self._objective = Objective(objective.loss_fn, objective.count_fn, objective.loss_reduction,
+                                    objective.with_aux, context)
+        self._precision = str(trainer.precision)
+
+    def start(self, first_step: int) -> None:
+        self.audits = []
+        self._recorded = None
+        self._schedule.start(first_step)
+
+    def batch_start(self, step: int, first: bool, batch: Any, batch_idx: int, filler: bool) -> None:
+        if first:
+            self._recorded = [] if self._schedule.due(step) else None
+            self._done = False
+        if self._recorded is not None:
+            self._recorded.append(MicroBatch(batch, RngState.capture(), filler, batch_idx))
+
+    def before_update(self, trainer: Trainer, pl_module: LightningModule, strategy: TokenMeanStrategy | None) -> None:
+        if self._recorded is None or self._done or self._objective is None:
+            return
+        self._done = True
+        error = objective_error(pl_module, self._recorded, self._objective, device=trainer.strategy.root_device)
+        parameters = [p for _, p in audited_parameters(pl_module)]
+        tolerance = self._schedule.tolerance_for(parameters, self._precision)
+        audit = Audit(trainer.global_step, error, tolerance, error is None or error <= tolerance)
+        self.audits.append(audit)
+        if not audit.passed:
+            self._failed(audit, pl_module, strategy, trainer)
+
+    def window_end(self, step: int) -> Audit | None:
+        """The window ended: its audit, if it had one (a skipped window, N = 0, is one with nothing to compare)."""
+        recorded, self._recorded = self._recorded, None
+        if recorded is None:
+            return None
+        if not self._done and self._objective is not None:  # the strategy skipped the update: N = 0
+            tolerance = self._schedule.tolerance or 0.0
+            self.audits.append(Audit(step, None, tolerance, True))
+        return self.audits[-1] if self.audits and self.audits[-1].step == step else None
+
+    def _failed(
+        self, audit: Audit, pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer
+    ) -> None:
+        message = failure_message(audit, "", _unseen(pl_module, strategy, trainer))
+        if self._schedule.on_failure == "raise":
+            raise AuditError(message)  # the error is the same on every rank: every rank raises
+        if self._schedule.on_failure == "warn":
+            rank_zero_warn(message)
+        else:
+            rank_zero_info(message)
+
+
+def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:
+    """What lies between the loss and the optimizer, the suspects present in this run named first."""
+    present = []
+    if strategy is None:
+        present.append(
+            f"`{type(trainer.strategy).__name__}`, which does not normalize by N (Lightning divides each micro-batch"
+            " by K and DDP averages the ranks: a mean of means; use `TokenMeanDDPStrategy`)"
+        )
+    for hook in ("backward", "on_after_backward", "optimizer_step"):
+        if getattr(type(pl_module), hook) is not getattr(LightningModule, hook):
+            present.append(f"the `LightningModule.{hook}` override")
+    present.append(
+        "gradient hooks on parameters or modules, DDP's reducer and comm hooks, parameters DDP does not reduce"
+        " (unfrozen after wrapping), callbacks' `on_before_optimizer_step` that ran before the monitor's"
+    )
+    return "; ".join(present)
 
 
 class _Measuring:
