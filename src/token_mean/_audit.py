@@ -36,6 +36,9 @@ from token_mean._problems import DenominatorError
 OnAuditFailure = Literal["raise", "warn", "log"]
 
 # ‖g − g*‖ / ‖g*‖ of an exact run is rounding: the summation order of the reduction differs from the replay's
+PRECISION_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
+"""From the most precise to the least: the audit's dtype is the least precise of the parameters and the losses (a
+float64 model whose loss is taken in float32, as Hugging Face's causal LMs do, rounds like float32)."""
 DEFAULT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 MIXED_TOLERANCE = {"bf16-mixed": 5e-2, "16-mixed": 1e-2}
 """Under autocast the replay's float32 gradient sums bf16/fp16 products in another order than the run's."""
@@ -96,6 +99,15 @@ class MicroBatch:
 
 
 @dataclass(frozen=True)
+class Replayed:
+    """What the replay found: ``error`` (None when N = 0 on every rank) and ``dtype``, the least precise dtype of
+    the parameters and the replayed losses on any rank (what the default tolerance depends on)."""
+
+    error: float | None
+    dtype: torch.dtype
+
+
+@dataclass(frozen=True)
 class Objective:
     """What the audit recomputes: the loss of one micro-batch, its count and how the loss relates to the count."""
 
@@ -141,12 +153,14 @@ class AuditSchedule:
             return False
         return window >= self._first and (window - self._first) % self.every == 0
 
-    def tolerance_for(self, parameters: Sequence[Tensor], precision: str | None = None) -> float:
+    def tolerance_for(self, dtype: torch.dtype, precision: str | None = None) -> float:
+        """``audit_tolerance``, else the default for the least precise dtype of the parameters and the losses
+        (``dtype``) or for a mixed ``precision``."""
         if self.tolerance is not None:
             return self.tolerance
         if precision in MIXED_TOLERANCE:
             return MIXED_TOLERANCE[precision]
-        return max((DEFAULT_TOLERANCE.get(p.dtype, 1e-4) for p in parameters), default=1e-4)
+        return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
 
 
 def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -177,7 +191,7 @@ def objective_error(
     objective: Objective,
     group: Any = None,
     device: torch.device | None = None,
-) -> float | None:
+) -> Replayed:
     """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's), the largest over the ranks of ``group``
     (the default group when distributed); None when N = 0 on every rank. Leaves ``.grad``, the buffers and the RNG
     streams as they were. Every rank of the group must call it for the same window."""
@@ -197,20 +211,29 @@ def objective_error(
     if bad:
         where = problems[0] if problems else "on another rank"
         raise AuditError(f"The objective audit could not count a micro-batch of its window: {where}.")
+    dtypes = [p.dtype for _, p in parameters]
     if global_count == 0:
-        return None
+        return Replayed(None, least_precise(dtypes))
     after = RngState.capture()
     try:
-        buffers = _replay(module, parameters, micro_batches, counts, objective, (global_count, global_real))
+        buffers = _replay(module, parameters, micro_batches, counts, objective, (global_count, global_real), dtypes)
     finally:
         after.restore()
     if distributed:
         for flat in buffers.values():
             dist.all_reduce(flat, group=group)
-    error = _relative_error(parameters, _views(parameters, buffers), device)
+    order = float(PRECISION_ORDER.index(least_precise(dtypes)))
+    relative = _relative_error(parameters, _views(parameters, buffers), device)
+    error = torch.stack([relative, torch.tensor(order, dtype=torch.float64, device=device)])
     if distributed:
         dist.all_reduce(error, op=dist.ReduceOp.MAX, group=group)
-    return float(error)
+    figure, agreed = error.tolist()
+    return Replayed(figure, PRECISION_ORDER[int(agreed)])
+
+
+def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
+    known = [PRECISION_ORDER.index(d) for d in dtypes if d in PRECISION_ORDER]
+    return PRECISION_ORDER[max(known, default=1)]
 
 
 _Key = tuple[torch.dtype, torch.device]
@@ -255,8 +278,10 @@ def _replay(
     counts: Sequence[float],
     objective: Objective,
     totals: tuple[float, float],
+    dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
-    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, accumulated into flat buffers."""
+    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, accumulated into flat buffers; the losses'
+    dtypes are appended to ``dtypes``."""
     global_count, global_real = totals
     buffers = _flat_buffers(parameters)
     leaves = {}
@@ -273,6 +298,7 @@ def _replay(
         micro_batch.rng.restore()
         with objective.context():
             loss, aux = torch.func.functional_call(replay, state, (micro_batch,))
+        dtypes += [t.dtype for t in (loss, aux) if t is not None]
         total = _weighted(loss, count, objective.loss_reduction, global_count)
         if with_aux and aux is not None:
             total = aux / global_real if total is None else total + aux / global_real
@@ -324,6 +350,7 @@ __all__ = [
     "RngState",
     "audited_parameters",
     "failure_message",
+    "least_precise",
     "objective_error",
     "refusal",
 ]

@@ -29,8 +29,8 @@ from token_mean._audit import (
     Objective,
     OnAuditFailure,
     RngState,
-    audited_parameters,
     failure_message,
+    least_precise,
     objective_error,
     refusal,
 )
@@ -323,6 +323,7 @@ class _Auditing:
         self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
         self._done = False  # the window's audit ran (one per window, whatever the optimizers)
         self._precision: str | None = None
+        self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, objective: Objective) -> None:
         if not self._schedule.enabled:
@@ -337,6 +338,8 @@ class _Auditing:
         self._objective = Objective(objective.loss_fn, objective.count_fn, objective.loss_reduction,
                                     objective.with_aux, context)
         self._precision = str(trainer.precision)
+        dtype = least_precise([p.dtype for p in pl_module.parameters()])
+        self._skipped_tolerance = self._schedule.tolerance_for(dtype, self._precision)
 
     def start(self, first_step: int) -> None:
         self.audits = []
@@ -354,9 +357,9 @@ class _Auditing:
         if self._recorded is None or self._done or self._objective is None:
             return
         self._done = True
-        error = objective_error(pl_module, self._recorded, self._objective, device=trainer.strategy.root_device)
-        parameters = [p for _, p in audited_parameters(pl_module)]
-        tolerance = self._schedule.tolerance_for(parameters, self._precision)
+        replayed = objective_error(pl_module, self._recorded, self._objective, device=trainer.strategy.root_device)
+        tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
+        error = replayed.error
         audit = Audit(trainer.global_step, error, tolerance, error is None or error <= tolerance)
         self.audits.append(audit)
         if not audit.passed:
@@ -368,8 +371,7 @@ class _Auditing:
         if recorded is None:
             return None
         if not self._done and self._objective is not None:  # the strategy skipped the update: N = 0
-            tolerance = self._schedule.tolerance or 0.0
-            self.audits.append(Audit(step, None, tolerance, True))
+            self.audits.append(Audit(step, None, self._skipped_tolerance, True))
         return self.audits[-1] if self.audits and self.audits[-1].step == step else None
 
     def _failed(
