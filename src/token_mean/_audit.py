@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from token_mean._counting import CountFn, read_count
@@ -328,10 +329,90 @@ def _relative_error(parameters: Sequence[tuple[str, nn.Parameter]], objective: S
     return torch.where(difference == 0, torch.zeros_like(ratio), ratio)
 
 
-def failure_message(audit: Audit, where: str, unseen: str) -> str:
+class Auditor:
+    """One run's audits, for a monitor: it records an audited window's micro-batches as their forwards start and
+    audits the window's update once (whatever the optimizers), before anything changes its gradient.
+
+    Args:
+        schedule: which windows, what a failure does.
+        front_end: the monitor's name, for messages.
+    """
+
+    def __init__(self, schedule: AuditSchedule, front_end: str) -> None:
+        self._schedule = schedule
+        self._front_end = front_end
+        self.audits: list[Audit] = []
+        self._objective: Objective | None = None
+        self._precision: str | None = None
+        self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
+        self._done = False  # the window's audit ran
+        self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
+
+    @property
+    def enabled(self) -> bool:
+        return self._schedule.enabled
+
+    def prepare(self, module: nn.Module, objective: Objective, precision: str | None = None) -> None:
+        """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it."""
+        if not self._schedule.enabled:
+            return
+        why = refusal(module)
+        if why is not None:
+            raise ValueError(
+                f"`{self._front_end}(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
+                " `audit_every` (docs/audit.md, \"Limits\")."
+            )
+        self._objective, self._precision = objective, precision
+        dtype = least_precise([p.dtype for p in module.parameters()])
+        self._skipped_tolerance = self._schedule.tolerance_for(dtype, precision)
+
+    def start(self, first_window: int) -> None:
+        """A run starts: its first window is ``first_window`` (the optimizer steps taken before it)."""
+        self.audits = []
+        self._recorded = None
+        self._schedule.start(first_window)
+
+    def micro_batch(self, window: int, first: bool, batch: Any, filler: bool = False, index: int = 0) -> None:
+        """A micro-batch's forward is about to run (``first``: its window's first)."""
+        if first:
+            self._recorded = [] if self._objective is not None and self._schedule.due(window) else None
+            self._done = False
+        if self._recorded is not None:
+            self._recorded.append(MicroBatch(batch, RngState.capture(), filler, index))
+
+    def audit(self, module: nn.Module, window: int, device: torch.device, unseen: Callable[[], str]) -> Audit | None:
+        """After the window's last backward: its audit (None if it is not audited); every rank of the group must
+        call it. A failure raises, warns or logs as the schedule says, naming ``unseen()``."""
+        if self._recorded is None or self._done or self._objective is None:
+            return None
+        self._done = True
+        replayed = objective_error(module, self._recorded, self._objective, device=device)
+        tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
+        error = replayed.error
+        audit = Audit(window, error, tolerance, error is None or error <= tolerance)
+        self.audits.append(audit)
+        if not audit.passed:
+            message = failure_message(audit, unseen())
+            if self._schedule.on_failure == "raise":
+                raise AuditError(message)  # the error is the same on every rank: every rank raises
+            (rank_zero_warn if self._schedule.on_failure == "warn" else rank_zero_info)(message)
+        return audit
+
+    def window_end(self, window: int) -> Audit | None:
+        """The window ended: its audit, if it had one (an update the strategy skipped, N = 0, had nothing to
+        compare)."""
+        recorded, self._recorded = self._recorded, None
+        if recorded is None:
+            return None
+        if not self._done:
+            self.audits.append(Audit(window, None, self._skipped_tolerance, True))
+        return self.audits[-1]
+
+
+def failure_message(audit: Audit, unseen: str) -> str:
     """What a failed audit says: the step, the error, the tolerance, and what lies where the audit cannot see."""
     return (
-        f"The objective audit failed at optimizer step {audit.step}{where}: the gradient the optimizer is about to"
+        f"The objective audit failed at optimizer step {audit.step}: the gradient the optimizer is about to"
         f" apply differs from the gradient of the window's token-mean objective by ‖g − g*‖/‖g*‖ = {audit.error:.3e}"
         f" (tolerance {audit.tolerance:.1e}). g* was recomputed by replaying the window's micro-batches on the"
         f" unwrapped module, so the difference comes from what lies between the loss and the optimizer, which the"
@@ -344,6 +425,7 @@ __all__ = [
     "Audit",
     "AuditError",
     "AuditSchedule",
+    "Auditor",
     "MicroBatch",
     "Objective",
     "OnAuditFailure",

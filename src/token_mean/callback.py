@@ -15,25 +15,13 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import (
-    Audit,
-    AuditError,
-    AuditSchedule,
-    MicroBatch,
-    Objective,
-    OnAuditFailure,
-    RngState,
-    failure_message,
-    least_precise,
-    objective_error,
-    refusal,
-)
+from token_mean._audit import Audit, Auditor, AuditSchedule, MicroBatch, Objective, OnAuditFailure
 from token_mean._compare import Divergence
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
@@ -128,7 +116,7 @@ class DenominatorMonitor(Callback):
         audit_tolerance: float | None = None,
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
-        self._auditing = _Auditing(AuditSchedule(audit_every, on_audit_failure, audit_tolerance))
+        self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -175,7 +163,9 @@ class DenominatorMonitor(Callback):
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        self._auditing.setup(trainer, pl_module, Objective(_training_step_loss, count_fn, reduction, aux))
+        context = trainer.strategy.precision_plugin.train_step_context
+        objective = Objective(_training_step_loss, count_fn, reduction, aux, context)
+        self._auditing.prepare(pl_module, objective, str(trainer.precision))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -202,12 +192,13 @@ class DenominatorMonitor(Callback):
         if self._window_length == 0:
             self._window_started_at = time.perf_counter()
         filler = self._strategy is not None and self._strategy.is_filler_batch
-        self._auditing.batch_start(trainer.global_step, self._window_length == 0, batch, batch_idx, filler)
+        self._auditing.micro_batch(trainer.global_step, self._window_length == 0, batch, filler, batch_idx)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         # callbacks' hooks run before the module's, and clipping after both: `.grad` is what the update would use
-        self._auditing.before_update(trainer, pl_module, self._strategy)
+        self._auditing.audit(pl_module, trainer.global_step, trainer.strategy.root_device,
+                             lambda: _unseen(pl_module, self._strategy, trainer))
         if self._observer is not None and self._observer.fingerprints:
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
@@ -311,79 +302,6 @@ def _training_step_loss(module: torch.nn.Module, micro_batch: MicroBatch) -> tup
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
     return None
-
-
-class _Auditing:
-    """The monitor's objective audit (``_audit``): records an audited window's micro-batches and audits its update."""
-
-    def __init__(self, schedule: AuditSchedule) -> None:
-        self._schedule = schedule
-        self.audits: list[Audit] = []
-        self._objective: Objective | None = None
-        self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
-        self._done = False  # the window's audit ran (one per window, whatever the optimizers)
-        self._precision: str | None = None
-        self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
-
-    def setup(self, trainer: Trainer, pl_module: LightningModule, objective: Objective) -> None:
-        if not self._schedule.enabled:
-            return
-        why = refusal(pl_module)
-        if why is not None:
-            raise ValueError(
-                f"`DenominatorMonitor(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
-                " `audit_every`."
-            )
-        context = trainer.strategy.precision_plugin.train_step_context
-        self._objective = Objective(objective.loss_fn, objective.count_fn, objective.loss_reduction,
-                                    objective.with_aux, context)
-        self._precision = str(trainer.precision)
-        dtype = least_precise([p.dtype for p in pl_module.parameters()])
-        self._skipped_tolerance = self._schedule.tolerance_for(dtype, self._precision)
-
-    def start(self, first_step: int) -> None:
-        self.audits = []
-        self._recorded = None
-        self._schedule.start(first_step)
-
-    def batch_start(self, step: int, first: bool, batch: Any, batch_idx: int, filler: bool) -> None:
-        if first:
-            self._recorded = [] if self._schedule.due(step) else None
-            self._done = False
-        if self._recorded is not None:
-            self._recorded.append(MicroBatch(batch, RngState.capture(), filler, batch_idx))
-
-    def before_update(self, trainer: Trainer, pl_module: LightningModule, strategy: TokenMeanStrategy | None) -> None:
-        if self._recorded is None or self._done or self._objective is None:
-            return
-        self._done = True
-        replayed = objective_error(pl_module, self._recorded, self._objective, device=trainer.strategy.root_device)
-        tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
-        error = replayed.error
-        audit = Audit(trainer.global_step, error, tolerance, error is None or error <= tolerance)
-        self.audits.append(audit)
-        if not audit.passed:
-            self._failed(audit, pl_module, strategy, trainer)
-
-    def window_end(self, step: int) -> Audit | None:
-        """The window ended: its audit, if it had one (a skipped window, N = 0, is one with nothing to compare)."""
-        recorded, self._recorded = self._recorded, None
-        if recorded is None:
-            return None
-        if not self._done and self._objective is not None:  # the strategy skipped the update: N = 0
-            self.audits.append(Audit(step, None, self._skipped_tolerance, True))
-        return self.audits[-1] if self.audits and self.audits[-1].step == step else None
-
-    def _failed(
-        self, audit: Audit, pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer
-    ) -> None:
-        message = failure_message(audit, "", _unseen(pl_module, strategy, trainer))
-        if self._schedule.on_failure == "raise":
-            raise AuditError(message)  # the error is the same on every rank: every rank raises
-        if self._schedule.on_failure == "warn":
-            rank_zero_warn(message)
-        else:
-            rank_zero_info(message)
 
 
 def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:
