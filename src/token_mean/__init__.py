@@ -9,6 +9,7 @@ items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``cou
 ``ClassWeightedCount``) choose the objective.
 """
 
+from token_mean._audit import Audit, AuditError
 from token_mean._compare import Divergence, DivergenceError
 from token_mean._counting import CountFn
 from token_mean._counts import (
@@ -35,6 +36,8 @@ from token_mean.strategy import TokenMeanDDPStrategy
 
 __all__ = [
     "IGNORE_INDEX",
+    "Audit",
+    "AuditError",
     "ClassWeightedCount",
     "CountFn",
     "DenominatorError",

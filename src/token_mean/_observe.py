@@ -117,19 +117,22 @@ class Observer:
         elapsed: float,
         norms: tuple[Tensor | None, Tensor | None] = (None, None),
         naive_loss: float | None = None,
+        audit_error: float | None = None,
     ) -> tuple[dict[str, float], bool]:
         """A window ended at ``step``: its metrics (prefixed) and whether a divergence asks to log them now.
 
         ``norms`` are the step's gradient norm (before clipping) and parameter norm (after the update), on the device:
-        read here in one device-to-host copy.
+        read here in one device-to-host copy. ``audit_error``: the window's objective audit, if it had one.
         """
         divergence = None
         if self.fingerprints:
-            row = _trace_row(step, stats, norms)
+            row = _trace_row(step, stats, norms, audit_error)
             if self._writer is not None:
                 self._writer.write(row)
             divergence = self._compare(step, row)
         metrics = window_metrics(stats, elapsed, naive_loss)
+        if audit_error is not None:
+            metrics["audit_error"] = audit_error
         log_now = False
         if self._reference is not None and self.settings.on_divergence == "log":
             metrics["reference_divergence"] = float(divergence is not None)
@@ -166,7 +169,9 @@ class Observer:
             self._writer = None
 
 
-def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor | None]) -> dict[str, TraceValue]:
+def _trace_row(
+    step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor | None], audit_error: float | None
+) -> dict[str, TraceValue]:
     present = [norm for norm in norms if norm is not None]
     host = iter(torch.stack(present).tolist() if present else [])  # one device-to-host copy for both fingerprints
     grad_norm, param_norm = (None if norm is None else next(host) for norm in norms)
@@ -180,6 +185,7 @@ def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor
         "window_length": stats.window_length,
         "imbalance": stats.imbalance,
         "naive_weight_error": stats.naive_weight_error,
+        "audit_error": audit_error,
     }
 
 

@@ -17,8 +17,9 @@ COMPARED_COLUMNS = ("global_count", "loss", "grad_norm", "param_norm")
 """The quantities a replay is compared on, in the order a divergence is attributed (the first differing one wins)."""
 
 REQUIRED_COLUMNS = ("step", *COMPARED_COLUMNS)
-INFO_COLUMNS = ("world_size", "window_length", "imbalance", "naive_weight_error")
-"""Written for the reader, never compared: they legitimately differ between a reference and a scaled-out run."""
+INFO_COLUMNS = ("world_size", "window_length", "imbalance", "naive_weight_error", "audit_error")
+"""Written for the reader, never compared: they legitimately differ between a reference and a scaled-out run
+(``audit_error`` is empty at a window that was not audited, and absent from traces written before the audit)."""
 
 TRACE_COLUMNS = (*REQUIRED_COLUMNS, *INFO_COLUMNS)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -20,6 +21,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
+from token_mean._audit import Audit, Auditor, AuditSchedule, MicroBatch, Objective, OnAuditFailure
 from token_mean._compare import Divergence
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
@@ -68,11 +70,24 @@ class DenominatorMonitor(Callback):
         on_divergence: at the first divergent step, ``"warn"`` warns, ``"raise"`` raises
             :class:`~token_mean.DivergenceError` on every rank, ``"log"`` logs ``{prefix}/reference_divergence`` at
             every step and says it once through ``rank_zero_info``.
+        audit_every: audit the first window and every this many windows after it (``None``, the default: never).
+            The objective audit (``docs/audit.md``) recomputes the gradient of the window's token-mean objective
+            by replaying its micro-batches on the unwrapped module, before ``on_before_optimizer_step`` and
+            clipping, and compares it with ``.grad``: it logs ``{prefix}/audit_error`` and appends an
+            :class:`~token_mean.Audit` to :attr:`audits`. It works under any strategy, plain ``DDPStrategy`` and
+            one device included.
+        on_audit_failure: when the error exceeds the tolerance, ``"raise"`` raises :class:`~token_mean.AuditError`
+            (a :class:`~token_mean.DenominatorError`) on every rank before the update, ``"warn"`` warns,
+            ``"log"`` says it through ``rank_zero_info``.
+        audit_tolerance: the largest error that passes; ``None``: by dtype (1e-10 for float64, 1e-4 for float32,
+            5e-2 under ``bf16-mixed``, 1e-2 under ``16-mixed``).
 
     Raises:
-        ValueError: if a setting is out of range, a trace suffix is not ``.csv``/``.jsonl``/``.ndjson``, or ``record``
-            and ``reference`` are the same file; at fit start, if the reference is malformed or covers a different
-            number of optimizer steps than this run.
+        AuditError: with ``on_audit_failure="raise"``, at the first audited window whose gradient is wrong.
+        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit (FSDP2 or tensor
+            parallel DTensors, ``SyncBatchNorm``); if a setting is out of range, a trace suffix is not
+            ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same file; at fit start, if
+            the reference is malformed or covers a different number of optimizer steps than this run.
         TypeError: if ``count_fn`` is not callable.
         DivergenceError: with ``on_divergence="raise"``, at the first divergent step.
 
@@ -96,8 +111,12 @@ class DenominatorMonitor(Callback):
         rtol: float = 1e-4,
         atol: float = 1e-6,
         on_divergence: OnDivergence = "warn",
+        audit_every: int | None = None,
+        on_audit_failure: OnAuditFailure = "warn",
+        audit_tolerance: float | None = None,
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
+        self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -114,6 +133,11 @@ class DenominatorMonitor(Callback):
         self._grad_norm: Tensor | None = None
         self._step_at_batch_start = 0
         self._warned_missing_window = False
+
+    @property
+    def audits(self) -> list[Audit]:
+        """Every audited window of the last fit, in order (empty without ``audit_every``)."""
+        return self._auditing.audits
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -138,6 +162,10 @@ class DenominatorMonitor(Callback):
         reduction = self._loss_reduction_arg or ("mean" if self._strategy is None else self._strategy.loss_reduction)
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
+        aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
+        context = trainer.strategy.precision_plugin.train_step_context
+        objective = Objective(_training_step_loss, count_fn, reduction, aux, context)
+        self._auditing.prepare(pl_module, objective, str(trainer.precision))
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -146,6 +174,7 @@ class DenominatorMonitor(Callback):
         self._warned_missing_window = False
         self._reset_window()
         self._measuring.start(trainer.strategy.root_device)
+        self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
 
     def _reset_window(self) -> None:
@@ -162,9 +191,14 @@ class DenominatorMonitor(Callback):
         self._step_at_batch_start = trainer.global_step
         if self._window_length == 0:
             self._window_started_at = time.perf_counter()
+        filler = self._strategy is not None and self._strategy.is_filler_batch
+        self._auditing.micro_batch(trainer.global_step, self._window_length == 0, batch, filler, batch_idx)
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
+        # callbacks' hooks run before the module's, and clipping after both: `.grad` is what the update would use
+        self._auditing.audit(pl_module, trainer.global_step, trainer.strategy.root_device,
+                             lambda: _unseen(pl_module, self._strategy, trainer))
         if self._observer is not None and self._observer.fingerprints:
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
@@ -184,12 +218,14 @@ class DenominatorMonitor(Callback):
         elapsed = time.perf_counter() - self._window_started_at
         stats, naive_loss = self._measuring.finish() if self._strategy is None else (self._published(step), None)
         self._reset_window()
+        audit = self._auditing.window_end(step)
         if stats is None:
             return
         self.last_window = stats
         norms = (gradient, self._param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
-        metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss)
-        if (self._should_log(trainer, step) or divergent) and trainer.is_global_zero:
+        audit_error = None if audit is None else audit.error
+        metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
+        if (self._should_log(trainer, step) or divergent or audit_error is not None) and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -239,6 +275,51 @@ def _check_measurement(count_fn: object, loss_reduction: object) -> None:
         raise ValueError(
             f"`loss_reduction` must be 'mean' (training_step returns the mean loss) or 'sum', got {loss_reduction!r}."
         )
+
+
+def _training_step_loss(module: torch.nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
+    """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    assert isinstance(module, LightningModule)
+    step = module.training_step
+    args: tuple[Any, ...] = (micro_batch.batch, micro_batch.index)
+    if not is_param_in_hook_signature(step, "batch_idx", min_args=2):
+        args = args[:1]
+    # instance attributes shadow the methods for the replay only: the run's logged metrics stay as they were
+    module.log, module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
+    try:
+        output = step(*args)
+    finally:
+        del module.log, module.log_dict
+    if isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        aux = output.get("aux_loss")
+        return output["loss"], aux if isinstance(aux, Tensor) else None
+    return None, None  # a skipped micro-batch: no gradient
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:
+    """What lies between the loss and the optimizer, the suspects present in this run named first."""
+    present = []
+    if strategy is None:
+        present.append(
+            f"`{type(trainer.strategy).__name__}`, which does not normalize by N (Lightning divides each micro-batch"
+            " by K and DDP averages the ranks: a mean of means; use `TokenMeanDDPStrategy`)"
+        )
+    for hook in ("backward", "on_after_backward", "optimizer_step"):
+        if getattr(type(pl_module), hook) is not getattr(LightningModule, hook):
+            present.append(f"the `LightningModule.{hook}` override")
+    present.append(
+        "gradient hooks on parameters or modules, DDP's reducer and comm hooks, parameters DDP does not reduce"
+        " (unfrozen after wrapping), callbacks' `on_before_optimizer_step` that ran before the monitor's"
+    )
+    return "; ".join(present)
 
 
 class _Measuring:
