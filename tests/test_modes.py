@@ -139,6 +139,7 @@ class Loop:
     model: nn.Module = field(default_factory=make_model)
     windows: list[Trained] = field(default_factory=list)
     hook: tuple[str, int] = ("", -1)  # the last hook called, and at which position
+    k_at: Callable[[int], int] | None = None  # K set by a callback at each position (a Trainer-like divisor K)
 
     def __post_init__(self) -> None:
         self.initial = copy.deepcopy(self.model)
@@ -175,8 +176,11 @@ class Loop:
 
     def train(self, position: int, batch: Batch) -> bool:
         """``begin`` → forward → ``after_forward`` → ``scale`` → backward; whether the micro-batch is a filler."""
-        last = position == self.reader.window_stop(position, self.accumulate) - 1
-        filler = self.mode.begin(position, last, self.accumulate, f"optimizer step {len(self.windows) + 1} (epoch 0")
+        accumulate = self.accumulate if self.k_at is None else self.k_at(position)
+        if self.k_at is not None:  # Lightning's stepping rule with the K in force, and its division by it
+            self.divisor = float(accumulate)
+        last = (position + 1) % accumulate == 0 or position + 1 >= self.reader.length
+        filler = self.mode.begin(position, last, accumulate, f"optimizer step {len(self.windows) + 1} (epoch 0")
         batch = self.transfer(batch)
         loss = mean_loss(self.model, batch)
         num_items = None if self.num_items is None else self.num_items(batch)
@@ -467,3 +471,37 @@ def test_deferred_refuses_an_aux_loss() -> None:
     loss = mean_loss(loop.model, batch)
     with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize"):
         loop.mode.after_forward(batch, StepOutput(loss, loss * 0.1, None, loss))
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# K changed by a callback (`trainer.accumulate_grad_batches = ...`): Lightning steps when (position + 1) % K == 0
+# with the K in force, and divides each micro-batch's loss by it
+# ---------------------------------------------------------------------------------------------------------------------
+
+K_CHANGES = [  # (K before, position of the change, K after, the windows Lightning steps or None: refused)
+    pytest.param(2, 4, 4, {"lookahead": [[0, 1], [2, 3], [4, 5, 6, 7]], "deferred": [[0, 1], [2, 3], [4, 5, 6, 7]]},
+                 id="at-a-window-start"),
+    pytest.param(4, 3, 2, {"lookahead": [[0, 1, 2, 3], [4, 5], [6, 7]], "deferred": [[0, 1, 2, 3], [4, 5], [6, 7]]},
+                 id="inside-same-end"),
+    pytest.param(2, 1, 4, {"lookahead": None, "deferred": [[0, 1, 2, 3], [4, 5, 6, 7]]}, id="inside-later-end"),
+    pytest.param(3, 2, 2, {"lookahead": None, "deferred": None}, id="inside-zeroing"),
+    pytest.param(2, 4, 3, {"lookahead": None, "deferred": None}, id="at-a-window-start-without-zeroing"),
+]
+
+
+@pytest.mark.parametrize(("before", "at", "after", "windows"), K_CHANGES)
+@pytest.mark.parametrize("mode", MODES)
+def test_k_changed_by_a_callback_is_exact_for_the_window_lightning_steps_or_refused(
+    mode: str, before: int, at: int, after: int, windows: dict[str, list[list[int]] | None]
+) -> None:
+    batches = batches_with([7, 1, 10, 3, 2, 9, 4, 6])
+    loop = Loop(mode, batches, accumulate=before, k_at=lambda position: before if position < at else after)
+    expected = windows[mode]
+    if expected is None:
+        with pytest.raises(ValueError, match=rf"`trainer.accumulate_grad_batches` changed from {before} to {after} at"
+                           rf" batch {at}, "):
+            loop.run()
+        return
+    loop.run()
+    assert_exact(loop, [[batches[i] for i in window] for window in expected])
+    assert [[position for position, _ in trained.positions] for trained in loop.windows] == expected

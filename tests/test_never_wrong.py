@@ -993,3 +993,61 @@ def test_monitor_under_plain_ddp_checks_counts(tmp_path: Path, value: float) -> 
     ))
     for message in errors:
         assert message.startswith("DenominatorError"), message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# K changed by a callback (`trainer.accumulate_grad_batches = ...`, a batch-size ramp)
+#
+# Lightning steps when `ready % K == 0` with the K in force, zeroes the gradient at batches whose index is a multiple
+# of it, and divides each micro-batch's loss by it. A change where a window starts, at a multiple of the new K, is a
+# clean ramp; a change inside a window makes Lightning step a window that mixes two divisors (plain DDP weights its
+# later micro-batches by the new 1/K), which deferred mode follows exactly. Lookahead, which normalized the window's
+# first backward passes by the planned window's items, and a change at which Lightning zeroes the gradient in the
+# middle of a window (dropping its first batches) are refused on every rank, naming the change.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class SetsK(Callback):
+    """Sets `trainer.accumulate_grad_batches` to `after` at batch `at` of epoch 0 (before that batch is trained)."""
+
+    def __init__(self, at: int, after: int) -> None:
+        self.at = at
+        self.after = after
+
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        if trainer.current_epoch == 0 and batch_idx == self.at:
+            trainer.accumulate_grad_batches = self.after
+
+
+K_RAMPS = [  # (K before, batch of the change, K after, batches, Lightning's windows, modes that follow it exactly)
+    ("at-a-window-start", (2, 4, 4, 12, [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], MODES)),
+    ("inside-a-window", (2, 1, 4, 8, [[0, 1, 2, 3], [4, 5, 6, 7]], ("deferred",))),
+    ("inside-where-lightning-zeroes", (3, 2, 2, 8, None, ())),  # plain DDP drops batches 0, 1: no exact control
+]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize(("mode", "before", "at", "after", "batches", "windows", "exact_in"), [
+    pytest.param(mode, *case, id=f"{name}-{mode}") for name, case in K_RAMPS
+    for mode in (*MODES, *(("plain",) if case[4] is not None else ()))
+])
+def test_k_changed_by_a_callback(tmp_path: Path, mode: str, before: int, at: int, after: int, batches: int,
+                                 windows: list[list[int]] | None, exact_in: tuple[str, ...]) -> None:
+    data = ragged(2, batches, seed=211)
+    module, strategy = TokenModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT)
+    kwargs: dict[str, Any] = {"accumulate_grad_batches": before, "callbacks": [SetsK(at, after)]}
+    if mode != "plain" and mode not in exact_in:
+        errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(module, strategy, tmp_path, **kwargs))
+        for message in errors:
+            assert f"`trainer.accumulate_grad_batches` changed from {before} to {after} at batch {at}" in message
+        assert len(set(errors)) == 1, errors
+        return
+    assert windows is not None
+    params, _ = fit(module, strategy, tmp_path, **kwargs)
+    expected, _ = reference_steps([[rank[i] for rank in data for i in window] for window in windows])
+    assert summary_of(tmp_path)["global_step"] == len(windows), "optimizer steps"
+    if mode == "plain":
+        assert_misses(params, expected)
+    else:
+        assert_exact(params, expected)

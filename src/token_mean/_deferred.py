@@ -46,7 +46,8 @@ class _Open:
     window: Window
     last: bool = False  # the micro-batch in flight is the window's last
     filler: bool = False
-    unit: Tensor | None = None  # divisor / D, computed once per window at its first backward
+    unit: Tensor | None = None  # divisor / D, computed at the window's first backward (again if K changes)
+    divisor: float = 0.0  # the divisor `unit` was computed for
     closing: Closing | None = None  # its exchange, from its last forward on
     factor: Tensor | None = None  # D/N, computed once, during the last backward
 
@@ -74,6 +75,8 @@ class Deferred(WindowMode):
         open_ = self._open
         if open_ is None:
             open_ = self._open = _Open(self._window(position, accumulate, step))
+        else:  # a callback may change K inside the window: the window ends where Lightning steps
+            self._changed_inside(open_.window, position, accumulate, stop_kept=True)
         window = open_.window
         if position != window.start + window.length:
             raise RuntimeError(
@@ -145,8 +148,8 @@ class Deferred(WindowMode):
     def scale(self, loss: Tensor, divisor: float, aux_loss: Tensor | None) -> Tensor:
         open_ = self._open
         assert open_ is not None and self._provisional is not None, "after_forward runs before scale"
-        if open_.unit is None:  # D only changes between windows: once per window, not per micro-batch
-            open_.unit = divisor / self._provisional
+        if open_.unit is None or divisor != open_.divisor:  # D only changes between windows: once per window
+            open_.unit, open_.divisor = divisor / self._provisional, divisor
         # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
         # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
         # (the forward value stays NaN, as under plain DDP).

@@ -61,6 +61,9 @@ class Lookahead(WindowMode):
         open_ = self._open
         if open_ is None or position >= open_.counts.stop:
             open_ = self._open = self._open_window(position, accumulate, step)
+        else:  # a callback may change K inside the window; its scale undoes Lightning's divisor per micro-batch
+            stop = self.reader.window_stop(position, accumulate)
+            self._changed_inside(open_.window, position, accumulate, stop_kept=stop == open_.counts.stop)
         counts = open_.counts
         window = open_.window
         if not (position == open_.position + 1 or (open_.position < 0 and position == window.start)):
@@ -77,7 +80,9 @@ class Lookahead(WindowMode):
         # counts are judged on the host as they are read ahead; the batch `training_step` receives must match them
         window = self._window(start, accumulate, step, judge_counts=False)
         counts = self._announced.pop(start, None)
-        if counts is None:  # the epoch's first window: its counts need a collective of their own
+        if counts is not None and counts.stop != self.reader.window_stop(start, accumulate):
+            counts = None  # K changed where this window starts: the counts read ahead cover the old K's window
+        if counts is None:  # the epoch's first window (or the first after K changed): a collective of its own
             stop = self.reader.window_stop(start, accumulate)
             if not self.reader.sized:
                 self.reader.extend_to(stop)  # the stream's epoch reaches this window's end, for now

@@ -89,6 +89,7 @@ class WindowMode(ABC):
         self._checks = tuple(checks)
         self.skipped_steps = 0
         self._reader: Reader | None = None  # the epoch's batches, from `start_epoch` on
+        self._accumulate: int | None = None  # K of the window opened last
 
     @property
     def world_size(self) -> int:
@@ -157,7 +158,37 @@ class WindowMode(ABC):
         return self._reader
 
     def _window(self, start: int, accumulate: int, step: str, judge_counts: bool = True) -> Window:
+        self._opens_with(start, accumulate)
         return Window(self.channel, start, accumulate, step, self.settings.loss_reduction, judge_counts)
+
+    def _opens_with(self, position: int, accumulate: int) -> None:
+        """A window opens at ``position`` with K = ``accumulate``: refuse a change of K Lightning zeroes no gradient
+        for (the loop zeroes it at batches whose index is a multiple of K)."""
+        previous, self._accumulate = self._accumulate, accumulate
+        if previous is not None and previous != accumulate and position % accumulate:
+            raise ValueError(_k_changed(previous, accumulate, position, (
+                f"where a window starts, but {position} is not a multiple of {accumulate}: Lightning zeroes the"
+                " gradient only at batches whose index is a multiple of K, so this window's update would apply the"
+                " gradient of the window before it a second time")))
+
+    def _changed_inside(self, window: Window, position: int, accumulate: int, stop_kept: bool) -> None:
+        """K changed to ``accumulate`` at ``position``, inside ``window``: accept it where Lightning still steps one
+        window of the micro-batches the mode counts (``stop_kept``: the mode can follow Lightning's new end)."""
+        if accumulate == window.accumulate:
+            return
+        old = window.accumulate
+        if position % accumulate == 0:
+            raise ValueError(_k_changed(old, accumulate, position, (
+                f"inside {window.where}: {position} is a multiple of {accumulate}, so Lightning zeroes the gradient"
+                f" there and drops the window's batches {window.start}..{position - 1} from its update")))
+        if not stop_kept:
+            raise ValueError(_k_changed(old, accumulate, position, (
+                f"inside {window.where}: Lightning now steps after batch"
+                f" {self.reader.window_stop(position, accumulate) - 1}, but `mode='lookahead'` normalized the"
+                " window's first backward passes by the items of the window as it was planned. Use"
+                " `mode='deferred'`, which follows the window Lightning steps")))
+        window.accumulate = accumulate
+        self._accumulate = accumulate
 
     def _close(self, window: Window, values: Values) -> Closing:
         """After the window's last forward: run the front end's checks, then start the window's exchange."""
@@ -217,6 +248,15 @@ class WindowMode(ABC):
         end = window.start + window.length
         reader.extend_to(end + window.accumulate if more > 0 else end)
         return reader.length
+
+
+def _k_changed(old: int, new: int, position: int, where: str) -> str:
+    return (
+        f"token_mean: `trainer.accumulate_grad_batches` changed from {old} to {new} at batch {position}, {where}."
+        " Change K where a window starts, at a batch whose index is a multiple of the new K (in"
+        " `on_train_batch_start` when `batch_idx % new_k == 0`, or in `on_train_epoch_start`, as"
+        " `GradientAccumulationScheduler` does)."
+    )
 
 
 __all__ = ["LossReduction", "Mode", "Settings", "StepOutput", "WindowCheck", "WindowMode", "WindowResult"]

@@ -59,7 +59,7 @@ class Kind(Enum):
 
     LENGTH = "the agreement on the length of an epoch (or of a Fabric pass)"
     BATCHES = "the check, at the start of an epoch, that the ranks' streams hold batches"
-    FIRST_COUNTS = "the counts of an epoch's first window (lookahead)"
+    FIRST_COUNTS = "the counts of an epoch's first window, or of the first after K changed (lookahead)"
     WINDOW = "the end of an accumulation window"
     STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
