@@ -152,7 +152,7 @@ def test_missing_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: 
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     reference = write_trace(tmp_path / "ref.csv")
     assert main([str(reference), str(reference), "-o", str(tmp_path / "out.png")]) == 1
-    assert "Drawing traces needs matplotlib: `pip install 'lightning-token-mean[plot]'`" in capsys.readouterr().err
+    assert "Drawing traces needs matplotlib: `pip install matplotlib`" in capsys.readouterr().err
 
 
 @pytest.mark.slow

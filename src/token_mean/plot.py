@@ -135,7 +135,7 @@ def _draw(
         import matplotlib
     except ImportError:  # an optional dependency: the monitor itself never draws
         raise ModuleNotFoundError(
-            "Drawing traces needs matplotlib: `pip install 'lightning-token-mean[plot]'` (or `pip install matplotlib`)."
+            "Drawing traces needs matplotlib: `pip install matplotlib` (or, in a clone, `pip install -e '.[plot]'`)."
         ) from None
     matplotlib.use("Agg")  # files only: no display needed
     import matplotlib.pyplot as plt
