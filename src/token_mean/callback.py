@@ -187,6 +187,7 @@ class DenominatorMonitor(Callback):
         if stats is None:
             return
         self.last_window = stats
+        _lightning.show_on_progress_bar(trainer, _bar_values(stats))
         norms = (gradient, self._param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
         metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss)
         if (self._should_log(trainer, step) or divergent) and trainer.is_global_zero:
@@ -227,6 +228,19 @@ class DenominatorMonitor(Callback):
     def _close(self) -> None:
         if self._observer is not None:
             self._observer.close()
+
+
+BAR_LOSS, BAR_COUNT = "exact_loss", "N"
+"""The progress bar's names of the step's exact token-mean loss and its N (docs/monitor.md)."""
+
+
+def _bar_values(stats: WindowStats) -> dict[str, float]:
+    """What the bar shows after a step: Lightning's own `train_loss` there is the last micro-batch's loss. Host
+    floats the window already read: no tensor, no host read."""
+    shown = {BAR_COUNT: stats.global_count}
+    if stats.loss is not None:
+        shown[BAR_LOSS] = stats.loss
+    return shown
 
 
 def _check_measurement(count_fn: object, loss_reduction: object) -> None:
