@@ -93,8 +93,9 @@ class PrintEvaluations(pl.Callback):
             return
         exact = "—" if stats.loss is None else f"{stats.loss:.4f}"
         val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
-        print(f"step {trainer.global_step}: exact train loss {exact} (N = {stats.global_count:.0f}),"
-              f" val loss {val_loss:.4f}", flush=True)
+        # the step that just ran, numbered as trace.csv numbers it (`global_step` while it ran)
+        print(f"step {trainer.global_step - 1}: exact train loss {exact} (N = {stats.global_count:.0f}),"
+              f" val loss {val_loss:.4f} after it", flush=True)
 
 
 def epochs_for(steps: int, pairs: int, processes: int, micro_batch_size: int, accumulate: int) -> int:

@@ -136,6 +136,25 @@ def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> No
 
 
 @pytest.mark.distributed
+def test_one_step_numbering_in_errors_traces_and_global_step(tmp_path: Path) -> None:
+    """docs/monitor.md "Step numbers": the trace numbers the first step 0; a count failing in the second window
+    (deferred mode raises in that window) names "optimizer step 1", the row the trace would have written next, and
+    the step that runs while `trainer.global_step == 1`."""
+    def count_fn(batch: dict[str, torch.Tensor]) -> Any:
+        count = (batch["labels"] != -100).sum()
+        return "bad" if int(count) == 7 else count  # only rank 1's third batch: the second window
+
+    trainer = trainer_for(tmp_path, strategy_for("deferred", count_fn=count_fn), devices=2, accumulate_grad_batches=2,
+                          callbacks=[DenominatorMonitor(record=tmp_path / "trace.csv")])
+    data = counts_data([[3, 4, 5, 6], [5, 6, 7, 8]])
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: trainer.fit(TokenModule(data)))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("DenominatorError: token_mean: rank 1: `count_fn` failed"), errors[0]
+    assert "in the accumulation window of optimizer step 1 (epoch 0, batches 2..3)." in errors[0], errors[0]
+    assert sorted(read_trace(tmp_path / "trace.csv")) == [0]
+
+
+@pytest.mark.distributed
 def test_skipped_window_under_the_strategy(tmp_path: Path) -> None:
     """A window with no valid item anywhere: the strategy skips the step; N = 0 is logged, the loss is not."""
     data = counts_data([[3, 0, 4], [2, 0, 5]])

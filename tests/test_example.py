@@ -52,7 +52,7 @@ def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
     assert all(row["world_size"] == "2" and float(row["global_count"]) > 0 for row in trace)
     # piped, not a terminal: one line per evaluation (steps 2 and 4) with the exact loss and N of its last step
     printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in printed] == ["step 2", "step 4"], done.stdout
+    assert [line.split(":")[0] for line in printed] == ["step 1", "step 3"], done.stdout  # numbered as the trace
     for line, row in zip(printed, (trace[1], trace[3]), strict=True):
         assert f"exact train loss {float(row['loss']):.4f} (N = {float(row['global_count']):.0f})" in line, line
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
@@ -122,7 +122,7 @@ def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: s
     assert all(row["world_size"] == "2" and row["window_length"] == "2" for row in trace)
     assert [float(row["global_count"]) for row in trace] == fabric_template_counts(**FABRIC_RUN)
     assert all(math.isfinite(float(row[column])) for row in trace for column in ("loss", "grad_norm", "param_norm"))
-    for step, row in ((2, trace[1]), (4, trace[3])):  # the printout: the exact loss and N of the evaluated step
+    for step, row in ((1, trace[1]), (3, trace[3])):  # the printout: the exact loss and N of the evaluated step
         assert f"step {step}: exact train loss {float(row['loss']):.4f} (N = {float(row['global_count']):.0f})" in log
     with (out / "csv" / "metrics.csv").open(newline="") as file:
         metrics = list(csv.DictReader(file))

@@ -459,7 +459,7 @@ def test_a_problem_on_one_rank_raises_on_every_rank_before_the_update(
     data = poisoned(window)
     message = one_message(every_rank_raises(ddp(), tmp_path, guarded, tmp_path, data, mode, count_fn, step))
     assert message.startswith("DenominatorError: token_mean: "), message
-    assert (f", in the accumulation window of optimizer step {raised_in + 1} (pass 1, batches {raised_in * K}.."
+    assert (f", in the accumulation window of optimizer step {raised_in} (pass 1, batches {raised_in * K}.."
             in message.splitlines()[0]), message  # the cause, then where, on the first line
     assert line in message, message
     notes = notes_of(tmp_path)
@@ -529,7 +529,7 @@ def test_a_first_window_count_error_names_the_windows_batches(mode: str) -> None
     fabric = fabric_for("single")
     model, _ = setup(fabric)
     accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, mode=mode, count_fn=count_or_string)
-    with pytest.raises(DenominatorError, match=r"optimizer step 1 \(pass 1, batches 0\.\.1\)"):
+    with pytest.raises(DenominatorError, match=r"optimizer step 0 \(pass 1, batches 0\.\.1\)"):
         next(iter(accumulator.batches(data)))
 
 
@@ -923,7 +923,7 @@ def test_num_items_disagreeing_with_count_fn_raises_on_every_rank(tmp_path: Path
     message = one_message(every_rank_raises(ddp(), tmp_path, guarded, tmp_path, data, mode, count_shifted_labels,
                                             misreports_if_poisoned))
     assert message.startswith("DenominatorError: token_mean: rank 1: `count_fn(batch)` and the 'num_items'"), message
-    assert ", in the accumulation window of optimizer step 1 (pass 1, batches 0..1)." in message, message
+    assert ", in the accumulation window of optimizer step 0 (pass 1, batches 0..1)." in message, message
     assert "rank 1: `count_fn(batch)` and the 'num_items'" in message and "disagree" in message, message
     numbers = f"'num_items' sums to {shifted_count(marked) + 1:g}, the count to {shifted_count(marked):g}"
     assert numbers in message, message

@@ -149,7 +149,7 @@ def test_tensor_parallel_count_disagreement_raises_on_every_rank(tmp_path: Path,
     errors = [(tmp_path / f"error-{rank}.txt").read_text() for rank in range(4)]
     assert len(set(errors)) == 1, "the ranks raised different errors"
     assert "ranks 0, 1: the ranks of one tensor-parallel group" in errors[0]
-    assert "optimizer step 1" in errors[0] and "Fix:" in errors[0]
+    assert "optimizer step 0 " in errors[0] and "Fix:" in errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -239,8 +239,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
 
 def _step_name(trainer: pl.Trainer) -> str:
-    """What errors call the optimizer step in flight."""
-    return f"optimizer step {trainer.global_step + 1} (epoch {trainer.current_epoch}"
+    """What errors call the optimizer step in flight: its index, `trainer.global_step` while it runs (the step
+    Lightning logs its metrics under, and traces and the monitor number it by; docs/monitor.md)."""
+    return f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}"
 
 
 def _once(result: Any) -> Callable[[], Any]:
