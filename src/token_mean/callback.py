@@ -7,6 +7,7 @@ The callback wires Lightning's hooks to the framework-free parts: the window's n
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from typing import Any
@@ -236,11 +237,8 @@ BAR_LOSS, BAR_COUNT = "exact_loss", "N"
 
 def _bar_values(stats: WindowStats) -> dict[str, float]:
     """What the bar shows after a step: Lightning's own `train_loss` there is the last micro-batch's loss. Host
-    floats the window already read: no tensor, no host read."""
-    shown = {BAR_COUNT: stats.global_count}
-    if stats.loss is not None:
-        shown[BAR_LOSS] = stats.loss
-    return shown
+    floats the window already read: no tensor, no host read. A step without items shows NaN, not the last loss."""
+    return {BAR_LOSS: math.nan if stats.loss is None else stats.loss, BAR_COUNT: stats.global_count}
 
 
 def _check_measurement(count_fn: object, loss_reduction: object) -> None:
