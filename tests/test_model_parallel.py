@@ -201,6 +201,13 @@ def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any],
         TokenMeanModelParallelStrategy(**kwargs)
 
 
+@pytest.mark.parametrize("kwargs", [{"data_parallel_size": 0}, {"tensor_parallel_size": "2"}, {"timeout": 5.0}])
+def test_parent_values_are_checked_at_construction(kwargs: dict[str, Any]) -> None:
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*, got {re.escape(repr(value))}\.$"):
+        TokenMeanModelParallelStrategy(**kwargs)
+
+
 def test_registered_name() -> None:
     trainer = pl.Trainer(
         strategy="model_parallel_token_mean", accelerator="cpu", devices=2, logger=False, enable_checkpointing=False
