@@ -171,8 +171,10 @@ def main(args: argparse.Namespace) -> None:
             if step % args.eval_every == 0 or step == args.max_steps:
                 last_val = validate(fabric, model, val_loader, val_batches, val_loss)
                 fabric.log_dict({"val_loss": last_val}, step=step)
-                fabric.print(f"step {step}: train loss {stats.loss:.4f} (N = {stats.global_count:.0f}),"
-                             f" val loss {last_val:.4f}")
+                exact = "—" if stats.loss is None else f"{stats.loss:.4f}"  # None: a window without items
+                # the step that just ran, numbered as trace.csv numbers it (from 0)
+                fabric.print(f"step {step - 1}: exact train loss {exact} (N = {stats.global_count:.0f}),"
+                             f" val loss {last_val:.4f} after it")
             if step == args.max_steps:
                 # inside the pass, so that the accumulator's state says where in it a resumed run goes on
                 state = {"model": model, "optimizer": optimizer, "accumulator": accumulator.state_dict(), "step": step}

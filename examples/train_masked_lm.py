@@ -20,6 +20,7 @@ Everything lands in --out: `trace.csv` (the denominator N, the exact loss and no
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 from collections.abc import Sequence
 from pathlib import Path
@@ -80,6 +81,30 @@ class MaskedLM(pl.LightningModule):
         return torch.optim.AdamW(self.model.parameters(), lr=1e-3, weight_decay=0.1)
 
 
+class PrintEvaluations(pl.Callback):
+    """One line per validation, for a log file (where there is no progress bar): the last step's exact loss and N."""
+
+    def __init__(self, monitor: DenominatorMonitor) -> None:
+        self.monitor = monitor
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        stats = self.monitor.last_window
+        if trainer.sanity_checking or stats is None or not trainer.is_global_zero:
+            return
+        exact = "—" if stats.loss is None else f"{stats.loss:.4f}"
+        val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
+        # the step that just ran, numbered as trace.csv numbers it (`global_step` while it ran)
+        print(f"step {trainer.global_step - 1}: exact train loss {exact} (N = {stats.global_count:.0f}),"
+              f" val loss {val_loss:.4f} after it", flush=True)
+
+
+def epochs_for(steps: int, pairs: int, processes: int, micro_batch_size: int, accumulate: int) -> int:
+    """The epochs that `steps` optimizer steps reach into. Lightning's bar counts epochs and micro-batches: without
+    `max_epochs` it reads `Epoch 0/-2` and measures micro-batches against `max_steps` (`40/20` at K = 2)."""
+    batches = math.ceil(math.ceil(pairs / processes) / micro_batch_size)  # per process: DistributedSampler pads
+    return math.ceil(steps / math.ceil(batches / accumulate))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--accelerator", default="auto", help="cpu, gpu, ... (default: auto, a GPU if one is seen)")
@@ -100,6 +125,7 @@ def main(args: argparse.Namespace) -> None:
     pl.seed_everything(args.seed, verbose=False)  # also the seed of Lightning's DistributedSampler
     # 95% to train, 5% held out; reading the whole standard library takes a few seconds.
     train_pairs, val_pairs = train_val_split(load_pairs(limit=args.limit), seed=args.seed)
+    monitor = DenominatorMonitor(record=args.out / "trace.csv")
     trainer = pl.Trainer(
         accelerator=args.accelerator,
         devices=int(args.devices) if args.devices.isdigit() else args.devices,
@@ -114,12 +140,18 @@ def main(args: argparse.Namespace) -> None:
         check_val_every_n_epoch=None,
         callbacks=[
             # Logs N, the per-rank counts and the exact loss every step and records them; no collective of its own.
-            DenominatorMonitor(record=args.out / "trace.csv"),
+            # On the bar: `exact_loss` and `N` (Lightning's `train_loss` there is the last micro-batch's).
+            monitor,
             ModelCheckpoint(dirpath=args.out / "checkpoints", monitor="val_loss", save_last=True),
+            *([] if sys.stdout.isatty() else [PrintEvaluations(monitor)]),
         ],
         logger=CSVLogger(args.out, name="", version="csv"),
         log_every_n_steps=10,
         enable_progress_bar=sys.stdout.isatty(),  # in a log file a bar is a line per redraw
+    )
+    # max_steps stops the run; max_epochs only gives the bar its totals (an epoch's micro-batches, the epochs)
+    trainer.fit_loop.max_epochs = epochs_for(
+        args.max_steps, len(train_pairs), trainer.world_size, args.micro_batch_size, args.accumulate
     )
     trainer.fit(MaskedLM(PairDataset(train_pairs), PairDataset(val_pairs), args.micro_batch_size, args.seed))
     if trainer.is_global_zero:

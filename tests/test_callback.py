@@ -9,6 +9,7 @@ import re
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import pytest
 import torch
 from _harness import EXACT, METHODS, TokenModule, ragged_batches, strategy_for, token_loss, windows_of
@@ -22,12 +23,14 @@ from _monitor_helpers import (
     trainer_for,
 )
 from _ranks import raises_everywhere
+from lightning.pytorch import Callback
 from lightning.pytorch.loggers import Logger
 
 import token_mean.callback
 import token_mean.metrics
 from token_mean import DenominatorMonitor, DivergenceError
 from token_mean._trace import COMPARED_COLUMNS, read_trace
+from token_mean.callback import BAR_COUNT, BAR_LOSS
 from token_mean.metrics import TokenMeanLoss
 
 # ---------------------------------------------------------------------------------------------------------- counts
@@ -80,6 +83,45 @@ def test_logged_counts_match_the_data(tmp_path: Path, strategy: str, monkeypatch
             assert steps[step]["loss"] == pytest.approx(loss, rel=EXACT)
 
 
+class BarRecorder(Callback):
+    """Each rank writes what the progress bar holds before every batch and at the end of fit."""
+
+    def __init__(self, out: Path) -> None:
+        self.out, self.shown = out, []
+
+    def _take(self, trainer: pl.Trainer) -> None:
+        self.shown.append({k: float(v) for k, v in trainer.progress_bar_metrics.items()})
+
+    def on_train_batch_start(self, trainer: pl.Trainer, *args: Any) -> None:
+        self._take(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._take(trainer)
+        (self.out / f"bar{trainer.global_rank}.json").write_text(json.dumps(self.shown))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", METHODS)
+def test_progress_bar_shows_the_exact_loss_and_n(tmp_path: Path, strategy: str) -> None:
+    """docs/monitor.md: `exact_loss` and `N` reach `trainer.progress_bar_metrics` on every rank after each step, and
+    no logger (the loggers get `denominator/loss` and `denominator/global_count`)."""
+    data = ragged_batches(2, 7, seed=11)
+    trainer = trainer_for(tmp_path, strategy_for(strategy), devices=2, accumulate_grad_batches=3,
+                          callbacks=[DenominatorMonitor(), BarRecorder(tmp_path)])
+    trainer.fit(TokenModule(data))
+    trajectory = exact_trajectory(data, 3)
+    for rank in (0, 1):
+        shown = json.loads((tmp_path / f"bar{rank}.json").read_text())
+        steps = [(bar[BAR_COUNT], bar[BAR_LOSS]) for bar in shown if BAR_LOSS in bar]
+        distinct = [step for index, step in enumerate(steps) if index == 0 or step != steps[index - 1]]
+        assert [n for n, _ in distinct] == [n for n, _ in trajectory], (rank, distinct)
+        if strategy != "plain":  # plain DDP leaves the token-mean trajectory after its first step
+            assert [loss for _, loss in distinct] == pytest.approx([loss for _, loss in trajectory], rel=EXACT)
+        assert distinct[0][1] == pytest.approx(trajectory[0][1], rel=EXACT)
+    header = (tmp_path / "logs" / "version_0" / "metrics.csv").read_text().splitlines()[0]
+    assert BAR_LOSS not in header.split(",") and BAR_COUNT not in header.split(","), header
+
+
 @pytest.mark.distributed
 def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> None:
     def count_fn(batch: dict[str, torch.Tensor]) -> Any:
@@ -89,8 +131,27 @@ def test_count_fn_failure_on_one_rank_raises_on_every_rank(tmp_path: Path) -> No
                           callbacks=[DenominatorMonitor(count_fn=count_fn)])
     errors = raises_everywhere(tmp_path / "outcomes", lambda: trainer.fit(TokenModule(counts_data([[3, 4], [5, 6]]))))
     assert len(set(errors)) == 1, errors
-    message = "window of optimizer step 0 (measured by DenominatorMonitor, batches 0..1):\n  rank 1: `count_fn` failed"
-    assert errors[0].startswith("DenominatorError: ") and message in errors[0], errors[0]
+    assert errors[0].startswith("DenominatorError: token_mean: rank 1: `count_fn` failed"), errors[0]
+    assert "window of optimizer step 0 (measured by DenominatorMonitor, batches 0..1)." in errors[0], errors[0]
+
+
+@pytest.mark.distributed
+def test_one_step_numbering_in_errors_traces_and_global_step(tmp_path: Path) -> None:
+    """docs/monitor.md "Step numbers": the trace numbers the first step 0; a count failing in the second window
+    (deferred mode raises in that window) names "optimizer step 1", the row the trace would have written next, and
+    the step that runs while `trainer.global_step == 1`."""
+    def count_fn(batch: dict[str, torch.Tensor]) -> Any:
+        count = (batch["labels"] != -100).sum()
+        return "bad" if int(count) == 7 else count  # only rank 1's third batch: the second window
+
+    trainer = trainer_for(tmp_path, strategy_for("deferred", count_fn=count_fn), devices=2, accumulate_grad_batches=2,
+                          callbacks=[DenominatorMonitor(record=tmp_path / "trace.csv")])
+    data = counts_data([[3, 4, 5, 6], [5, 6, 7, 8]])
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: trainer.fit(TokenModule(data)))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("DenominatorError: token_mean: rank 1: `count_fn` failed"), errors[0]
+    assert "in the accumulation window of optimizer step 1 (epoch 0, batches 2..3)." in errors[0], errors[0]
+    assert sorted(read_trace(tmp_path / "trace.csv")) == [0]
 
 
 @pytest.mark.distributed

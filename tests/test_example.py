@@ -50,9 +50,22 @@ def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
         trace = list(csv.DictReader(file))
     assert [int(row["step"]) for row in trace] == [0, 1, 2, 3]
     assert all(row["world_size"] == "2" and float(row["global_count"]) > 0 for row in trace)
+    # piped, not a terminal: one line per evaluation (steps 2 and 4) with the exact loss and N of its last step
+    printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
+    assert [line.split(":")[0] for line in printed] == ["step 1", "step 3"], done.stdout  # numbered as the trace
+    for line, row in zip(printed, (trace[1], trace[3]), strict=True):
+        assert f"exact train loss {float(row['loss']):.4f} (N = {float(row['global_count']):.0f})" in line, line
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
     assert checkpoint["global_step"] == 4
     assert (out / "csv" / "metrics.csv").stat().st_size > 0
+
+
+def test_template_bar_totals() -> None:
+    """76 pairs on 2 processes in micro-batches of 2: 19 per process, 10 windows of K = 2 an epoch (a short last)."""
+    assert train_masked_lm.epochs_for(4, 76, 2, 2, 2) == 1
+    assert train_masked_lm.epochs_for(10, 76, 2, 2, 2) == 1
+    assert train_masked_lm.epochs_for(11, 76, 2, 2, 2) == 2
+    assert train_masked_lm.epochs_for(300, 6356, 1, 8, 4) == 2  # the defaults on one process: 199 steps an epoch
 
 
 def test_template_accepts_a_gpu() -> None:
@@ -100,7 +113,8 @@ def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: s
         run_job([command], tmp_path / "logs", timeout=180)
     except subprocess.CalledProcessError as error:
         pytest.fail(f"{error}\n{error.output[-4000:]}")
-    assert f"written to {out}" in (tmp_path / "logs" / "job0.log").read_text()
+    log = (tmp_path / "logs" / "job0.log").read_text()
+    assert f"written to {out}" in log
 
     with (out / "trace.csv").open(newline="") as file:
         trace = list(csv.DictReader(file))
@@ -108,6 +122,8 @@ def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: s
     assert all(row["world_size"] == "2" and row["window_length"] == "2" for row in trace)
     assert [float(row["global_count"]) for row in trace] == fabric_template_counts(**FABRIC_RUN)
     assert all(math.isfinite(float(row[column])) for row in trace for column in ("loss", "grad_norm", "param_norm"))
+    for step, row in ((1, trace[1]), (3, trace[3])):  # the printout: the exact loss and N of the evaluated step
+        assert f"step {step}: exact train loss {float(row['loss']):.4f} (N = {float(row['global_count']):.0f})" in log
     with (out / "csv" / "metrics.csv").open(newline="") as file:
         metrics = list(csv.DictReader(file))
     val_losses = [float(row["val_loss"]) for row in metrics if row.get("val_loss")]

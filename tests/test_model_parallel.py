@@ -149,7 +149,7 @@ def test_tensor_parallel_count_disagreement_raises_on_every_rank(tmp_path: Path,
     errors = [(tmp_path / f"error-{rank}.txt").read_text() for rank in range(4)]
     assert len(set(errors)) == 1, "the ranks raised different errors"
     assert "ranks 0, 1: the ranks of one tensor-parallel group" in errors[0]
-    assert "optimizer step 1" in errors[0] and "Fix:" in errors[0]
+    assert "optimizer step 0 " in errors[0] and "Fix:" in errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -198,6 +198,13 @@ def test_own_gradient_divide_factor_is_an_error(tmp_path: Path) -> None:
 )
 def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any], match: str) -> None:
     with pytest.raises(TypeError, match=match):
+        TokenMeanModelParallelStrategy(**kwargs)
+
+
+@pytest.mark.parametrize("kwargs", [{"data_parallel_size": 0}, {"tensor_parallel_size": "2"}, {"timeout": 5.0}])
+def test_parent_values_are_checked_at_construction(kwargs: dict[str, Any]) -> None:
+    (name, value), = kwargs.items()
+    with pytest.raises(ValueError, match=rf"`{name}` must be .*, got {re.escape(repr(value))}\.$"):
         TokenMeanModelParallelStrategy(**kwargs)
 
 
@@ -267,4 +274,4 @@ def test_missing_loss_raises_on_every_rank(tmp_path: Path, mode: str, data_paral
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("DenominatorError: ") and "returned no loss" in errors[0], errors[0]
     # the data-parallel rank of global rank 1 (under 2 x 2, global rank 1 is tensor-parallel rank 1 of group 0)
-    assert re.search(r"\n  ranks? [01]\b.*`training_step` returned no loss", errors[0]), errors[0]
+    assert re.search(r"(token_mean: |\n  Also: )ranks? [01]\b.*`training_step` returned no loss", errors[0]), errors[0]

@@ -180,7 +180,7 @@ class Loop:
         if self.k_at is not None:  # Lightning's stepping rule with the K in force, and its division by it
             self.divisor = float(accumulate)
         last = (position + 1) % accumulate == 0 or position + 1 >= self.reader.length
-        filler = self.mode.begin(position, last, accumulate, f"optimizer step {len(self.windows) + 1} (epoch 0")
+        filler = self.mode.begin(position, last, accumulate, f"optimizer step {len(self.windows)} (epoch 0")
         batch = self.transfer(batch)
         loss = mean_loss(self.model, batch)
         num_items = None if self.num_items is None else self.num_items(batch)
@@ -459,7 +459,7 @@ def test_position_trained_twice_or_skipped_is_refused(mode: str, again: int) -> 
     assert loop.mode.after_backward() is None
 
     with pytest.raises(RuntimeError, match="a batch was trained twice or skipped"):
-        loop.mode.begin(again, False, 3, "optimizer step 1 (epoch 0")
+        loop.mode.begin(again, False, 3, "optimizer step 0 (epoch 0")
 
 
 def test_deferred_refuses_an_aux_loss() -> None:
@@ -467,7 +467,7 @@ def test_deferred_refuses_an_aux_loss() -> None:
     loop.reader.start_epoch(2)
     loop.mode.start_epoch(loop.reader)
     batch = loop.reader.next_item()[0]
-    loop.mode.begin(0, False, 2, "optimizer step 1 (epoch 0")
+    loop.mode.begin(0, False, 2, "optimizer step 0 (epoch 0")
     loss = mean_loss(loop.model, batch)
     with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize"):
         loop.mode.after_forward(batch, StepOutput(loss, loss * 0.1, None, loss))

@@ -37,6 +37,7 @@ def write_trace(path: Path, steps: range = range(STEPS), diverge_at: int | None 
             "grad_norm": None if step == 5 else 1.0 + step / 10,
             "param_norm": 10.0 + step / 100,
             "world_size": 2,
+            "imbalance": 1.0 + step % 3 / 10,
         }
         if diverge_at is not None and step >= diverge_at:
             value = row[column]
@@ -103,8 +104,7 @@ def test_defaults_are_the_monitors() -> None:
 
 
 @pytest.mark.parametrize(("arguments", "message"), [
-    ([], r"the following arguments are required: RUN, REFERENCE"),
-    (["{run}"], r"the following arguments are required: REFERENCE"),
+    ([], r"the following arguments are required: RUN$"),
     (["{run}", "{reference}", "--rtol", "-1"], r"argument --rtol: must be a number >= 0, got '-1'"),
     (["{run}", "{reference}", "--atol", "nan"], r"argument --atol: must be a number >= 0, got 'nan'"),
     (["{run}", "{reference}", "-o", "out.jpg"], r"'out.jpg' must end in one of \['.png', '.pdf', '.svg'\]"),
@@ -122,7 +122,8 @@ def test_bad_arguments_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]
 
 
 @pytest.mark.parametrize(("case", "message"), [
-    ("missing", r"The RUN trace '.*missing\.csv' does not exist"),
+    ("missing", r"The RUN trace '.*missing\.csv' does not exist\. Record one first with `DenominatorMonitor\(record="
+                r"'.*missing\.csv'\)`\.$"),  # a command line reads it once: nothing about ranks
     ("directory", r"The REFERENCE trace '.*folder\.csv' is a directory"),
     ("suffix", r"`RUN='.*run\.txt'` has the suffix '\.txt'"),
     ("malformed", r"Malformed trace '.*bad\.csv', line 3: column 'loss' holds 'abc', not a number"),
@@ -147,12 +148,37 @@ def test_unreadable_traces_exit_1(tmp_path: Path, capsys: pytest.CaptureFixture[
     assert not (tmp_path / "out.png").exists()
 
 
+def test_plots_a_single_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """One trace: its loss, N and imbalance per step, named by its run folder (every trace is `trace.csv`)."""
+    run = write_trace(tmp_path / "scaled" / "trace.csv")
+    assert main([str(run)]) == 0
+    output = run.with_suffix(".png")
+    assert output.read_bytes().startswith(PNG_SIGNATURE) and output.stat().st_size > 10_000
+    assert capsys.readouterr().out == f"{output}: {STEPS} steps of scaled.\n"
+    rows = read_trace(run, "RUN", extra=("imbalance", "window_length"))
+    assert [rows[step]["imbalance"] for step in (0, 1)] == [1.0, 1.1] and rows[0]["window_length"] is None
+    older = tmp_path / "older.jsonl"  # a trace without the informational columns still reads (and draws)
+    older.write_text('{"step": 0, "global_count": 4, "loss": 1.0, "grad_norm": 1.0, "param_norm": 1.0}\n')
+    assert read_trace(older, "RUN", extra=("imbalance",)) == {
+        0: {"global_count": 4.0, "loss": 1.0, "grad_norm": 1.0, "param_norm": 1.0, "imbalance": None}
+    }
+    assert main([str(older), "-o", str(tmp_path / "older.png")]) == 0
+
+
+def test_curves_are_labelled_by_run_folder() -> None:
+    from token_mean.plot import _labels
+
+    assert _labels([Path("runs/scaled/trace.csv"), Path("runs/reference/trace.csv")]) == ["scaled", "reference"]
+    assert _labels([Path("out/run.jsonl"), Path("out/reference.csv")]) == ["run.jsonl", "reference.csv"]
+    assert _labels([Path("a/x/trace.csv"), Path("b/x/trace.csv")]) == ["a/x/trace.csv", "b/x/trace.csv"]
+
+
 def test_missing_matplotlib_says_how_to_install_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # `import matplotlib` now raises ImportError
     reference = write_trace(tmp_path / "ref.csv")
     assert main([str(reference), str(reference), "-o", str(tmp_path / "out.png")]) == 1
-    assert "Drawing traces needs matplotlib: `pip install 'lightning-token-mean[plot]'`" in capsys.readouterr().err
+    assert "Drawing traces needs matplotlib: `pip install matplotlib`" in capsys.readouterr().err
 
 
 @pytest.mark.slow

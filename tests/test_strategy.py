@@ -558,6 +558,22 @@ def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any],
         TokenMeanDDPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"start_method": "thread"}, r"`start_method` must be one of \('popen', 'spawn', 'fork', 'forkserver'\), got"
+         r" 'thread'"),
+        ({"timeout": 30}, r"`timeout` must be a `datetime.timedelta` \(or None\), got 30"),
+        ({"process_group_backend": 1}, r"`process_group_backend` must be a backend name"),
+    ],
+)
+def test_parent_values_that_would_fail_after_launch_are_refused_at_construction(
+    kwargs: dict[str, Any], match: str
+) -> None:
+    with pytest.raises(ValueError, match=match):
+        TokenMeanDDPStrategy(**kwargs)
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("accumulate", [0, -2])
 def test_non_positive_accumulation_is_refused_at_fit_start(tmp_path: Path, accumulate: int) -> None:

@@ -214,23 +214,25 @@ def test_check_raises_the_same_message_on_every_rank_with_each_ranks_detail_as_a
             reduced.check("the accumulation window of step 7", f"what rank {rank} saw")
         messages.append(str(raised.value))
         assert raised.value.__notes__ == [f"On rank {rank}: what rank {rank} saw"]
-    assert messages[0].startswith("token_mean: cannot normalize the accumulation window of step 7:\n  rank 1: ")
+    # the cause leads the first line, then where, then the fix
+    assert messages[0].startswith(f"token_mean: rank 1: {Problem.NO_LOSS.what}, in the accumulation window of step 7.\n"
+                                  f"  Fix: {Problem.NO_LOSS.fix}"), messages[0]
     assert messages == [messages[0]] * 3
 
 
 def test_check_passes_when_no_rank_raised_and_raises_the_callers_own_lines() -> None:
     (reduced, *_) = reduced_over([Values(), Values()])
     reduced.check("step 1")
-    with pytest.raises(DenominatorError, match=r"cannot normalize step 1:\n  first\n  second$") as raised:
+    with pytest.raises(DenominatorError, match=r"^token_mean: first, in step 1\.\n  Also: second$") as raised:
         reduced.check("step 1", more=["first", "second"])
     assert not hasattr(raised.value, "__notes__")  # no detail, no note
 
 
 def test_raise_lines_returns_without_lines_and_raises_them_with_the_detail_as_a_note() -> None:
     raise_lines([], "step 1", "detail", 0)
-    with pytest.raises(DenominatorError, match=r"^token_mean: cannot normalize step 1:\n  one") as raised:
-        raise_lines(["one"], "step 1", "what I saw", 4)
-    assert str(raised.value) == "token_mean: cannot normalize step 1:\n  one"
+    with pytest.raises(DenominatorError, match=r"^token_mean: one, in step 1") as raised:
+        raise_lines(["one. Fix: two"], "step 1", "what I saw", 4)
+    assert str(raised.value) == "token_mean: one, in step 1.\n  Fix: two"
     assert raised.value.__notes__ == ["On rank 4: what I saw"]
 
 
@@ -380,7 +382,7 @@ def test_negative_count_is_a_problem_unless_counts_are_not_judged() -> None:
         win.add(torch.tensor(3), scalar(1.0), filler=False)
         return win.close()
 
-    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a negative count\. Fix: counts are"):
+    with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a negative count, in .*\n  Fix: counts"):
         closed().result()
     assert closed(judge_counts=False).result().reduced[Slot.COUNT] == 3.0  # a bad count counts nothing
 

@@ -9,6 +9,8 @@ items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``cou
 ``ClassWeightedCount``) choose the objective.
 """
 
+from importlib import metadata as _metadata
+
 from token_mean._audit import Audit, AuditError
 from token_mean._compare import Divergence, DivergenceError
 from token_mean._counting import CountFn
@@ -33,6 +35,12 @@ from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy
 from token_mean.sampler import ExactDistributedSampler
 from token_mean.strategy import TokenMeanDDPStrategy
+
+try:
+    # pyproject.toml's `version` is the one source; the installed distribution's metadata carries it
+    __version__ = _metadata.version("lightning-token-mean")
+except _metadata.PackageNotFoundError:  # a source tree on the path, never installed
+    __version__ = "0+unknown"
 
 __all__ = [
     "IGNORE_INDEX",

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable, Collection, Mapping
+from datetime import timedelta
 from typing import Any
 
 import lightning.pytorch as pl
 
 OWN = ("count_fn", "loss_reduction", "mode", "pad_uneven_ranks")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")  # DDPStrategy's `start_method` literal
 
 
 def named_parameters(function: Callable[..., Any], leave_out: Collection[str] = ()) -> frozenset[str]:
@@ -44,4 +46,30 @@ def check_passed_through(strategy: str, parent: str, kwargs: Mapping[str, Any], 
         )
 
 
-__all__ = ["check_passed_through", "named_parameters"]
+def check_parent_values(strategy: str, kwargs: Mapping[str, Any]) -> None:
+    """A ``ValueError`` for a value of the parent's own arguments that would fail only once processes start."""
+    for name, value in kwargs.items():
+        rule = _PARENT_VALUES.get(name)
+        if rule is not None and not rule[0](value):
+            raise ValueError(f"`{strategy}`: `{name}` must be {rule[1]}, got {value!r}.")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_or_auto(value: Any) -> bool:
+    return value == "auto" or (_is_int(value) and value >= 1)
+
+
+_PARENT_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "start_method": (lambda v: v in START_METHODS, f"one of {START_METHODS}"),
+    "timeout": (lambda v: v is None or isinstance(v, timedelta), "a `datetime.timedelta` (or None)"),
+    "process_group_backend": (lambda v: v is None or isinstance(v, str), "a backend name such as 'gloo' (or None)"),
+    "data_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
+    "tensor_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
+}
+"""The parent's own arguments whose bad values would fail only after launch: (the check, what is expected)."""
+
+
+__all__ = ["check_parent_values", "check_passed_through", "named_parameters"]

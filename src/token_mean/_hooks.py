@@ -127,9 +127,7 @@ class TokenMeanStrategy(ParallelStrategy):
         super().setup(trainer)  # wraps the model
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        _check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation)
-        if not self._settings.count_fn_given:
-            _check_default_count(type(self).__name__, trainer.lightning_module)
+        _check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
         self._mode = make_mode(self._mode_name, self._layout(), self._settings, self._track_rank_counts)
         _lightning.read_through(trainer, self._on_epoch, self._on_setup_data)
 
@@ -241,8 +239,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
 
 def _step_name(trainer: pl.Trainer) -> str:
-    """What errors call the optimizer step in flight."""
-    return f"optimizer step {trainer.global_step + 1} (epoch {trainer.current_epoch}"
+    """What errors call the optimizer step in flight: its index, `trainer.global_step` while it runs (the step
+    Lightning logs its metrics under, and traces and the monitor number it by; docs/monitor.md)."""
+    return f"optimizer step {trainer.global_step} (epoch {trainer.current_epoch}"
 
 
 def _once(result: Any) -> Callable[[], Any]:
@@ -271,9 +270,11 @@ def _check_default_count(name: str, module: Module) -> None:
         raise ValueError(shifted_labels_advice(name, model))
 
 
-def _check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:
+def _check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool, count_fn_given: bool) -> None:
     """Refuse, at fit start, what the strategy cannot normalize exactly."""
     module = trainer.lightning_module
+    if not count_fn_given:
+        _check_default_count(name, module)
     accumulate = trainer.accumulate_grad_batches
     if not isinstance(accumulate, int) or accumulate < 1:
         # Lightning takes any value here and fails later, in its loop (0: ZeroDivisionError)

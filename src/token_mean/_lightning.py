@@ -244,6 +244,16 @@ def fabric_strategy_of(model: Any) -> Any:
     return getattr(_unwrap_compiled(model)[0], "_strategy", None)
 
 
+def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
+    """Put host floats on the progress bar, on this rank, without a tensor or a host read.
+
+    Relies on: ``trainer.progress_bar_metrics`` returns the logger connector's own dict (``_progress_bar_metrics``),
+    which Lightning only updates (with ``self.log(..., prog_bar=True)`` values) during a fit and clears at its start
+    (``reset_metrics``); the progress bars read it at each refresh and take floats as they are.
+    """
+    trainer.progress_bar_metrics.update(values)
+
+
 __all__ = [
     "batch_position",
     "checkpoint_loader_states",
@@ -259,6 +269,7 @@ __all__ = [
     "set_epoch_length",
     "set_loader_states_to_load",
     "should_update_logs",
+    "show_on_progress_bar",
     "steps_after_this_batch",
     "uses_dataloader_iter",
 ]

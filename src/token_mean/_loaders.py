@@ -29,7 +29,7 @@ def agree_on_length(channel: Channel, local: int | None, pad_uneven_ranks: bool)
     values = Values({Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(length * length),
                      Slot.UNSIZED: float(local is None)})
     reduced = channel.reduce(Kind.LENGTH, values)
-    reduced.check("the epoch's length")
+    reduced.check("the ranks' agreement on the epoch's length")
     unsized = round(reduced[Slot.UNSIZED])
     if unsized:
         if unsized < world.size:

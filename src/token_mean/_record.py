@@ -301,10 +301,17 @@ def _who(ranks: int, named: list[int]) -> str:
 
 
 def raise_lines(lines: list[str], where: str, detail: str, rank: int) -> None:
-    """Raise the same :class:`DenominatorError` on every rank for ``lines`` (none: return)."""
+    """Raise the same :class:`DenominatorError` on every rank for ``lines`` (none: return).
+
+    The first line leads with the first problem (which ranks, what), then says where; its fix and any further
+    problems follow, indented: in a log where several ranks' tracebacks interleave, the cause is the line read.
+    """
     if not lines:
         return
-    error = DenominatorError(f"token_mean: cannot normalize {where}:\n  " + "\n  ".join(lines))
+    cause, _, fix = lines[0].partition(". Fix: ")
+    text = f"token_mean: {cause}, in {where}."
+    text += f"\n  Fix: {fix}" if fix else ""
+    error = DenominatorError(text + "".join(f"\n  Also: {line}" for line in lines[1:]))
     if detail:
         error.add_note(f"On rank {rank}: {detail}")
     raise error

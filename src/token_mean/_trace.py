@@ -104,8 +104,9 @@ def _text_lines(path: Path, file: IO[bytes]) -> Iterator[str]:
         yield text
 
 
-def _csv_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[str]]]:
-    """(line number, the cells of ``REQUIRED_COLUMNS``) per data row of a CSV trace."""
+def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[tuple[int, list[str]]]:
+    """(line number, the cells of ``REQUIRED_COLUMNS`` and ``extra``, empty where absent) per data row of a CSV
+    trace."""
     reader = csv.reader(_text_lines(path, file))
     try:
         header = next((row for row in reader if row), None)
@@ -116,6 +117,7 @@ def _csv_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[str]]]:
         if repeated:
             raise _malformed(path, reader.line_num, f"the header names the columns {repeated} more than once.")
         positions = [header.index(column) for column in REQUIRED_COLUMNS]
+        optional = [header.index(column) if column in header else None for column in extra]
         for row in reader:
             if not row:
                 continue  # a blank line
@@ -123,13 +125,15 @@ def _csv_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[str]]]:
                 raise _malformed(
                     path, reader.line_num, f"the row does not have the {len(header)} fields of the header {header}."
                 )
-            yield reader.line_num, [row[position] for position in positions]
+            cells = [row[position] for position in positions]
+            yield reader.line_num, cells + ["" if position is None else row[position] for position in optional]
     except csv.Error as error:
         raise _malformed(path, reader.line_num, f"not CSV ({error}).") from None
 
 
-def _jsonl_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[object]]]:
-    """(line number, the values of ``REQUIRED_COLUMNS``) per line of a JSON Lines trace."""
+def _jsonl_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[tuple[int, list[object]]]:
+    """(line number, the values of ``REQUIRED_COLUMNS`` and ``extra``, None where absent) per line of a JSON Lines
+    trace."""
     for line_number, line in enumerate(_text_lines(path, file), start=1):
         if not line.strip():
             continue
@@ -142,7 +146,7 @@ def _jsonl_rows(path: Path, file: IO[bytes]) -> Iterator[tuple[int, list[object]
         if not isinstance(record, dict):
             raise _malformed(path, line_number, f"expected one JSON object per line, got {type(record).__name__}.")
         _check_columns(path, list(record), line_number)
-        yield line_number, [record[column] for column in REQUIRED_COLUMNS]
+        yield line_number, [record[column] for column in REQUIRED_COLUMNS] + [record.get(column) for column in extra]
 
 
 def _check_columns(path: Path, columns: list[str], line: int | None = None) -> None:
@@ -155,10 +159,13 @@ def _check_columns(path: Path, columns: list[str], line: int | None = None) -> N
         )
 
 
-def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dict[int, TraceRow]:
+def read_trace(
+    path: str | os.PathLike[str], argument: str = "reference", extra: Sequence[str] = ()
+) -> dict[int, TraceRow]:
     """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
 
-    Only ``COMPARED_COLUMNS`` are kept (the informational ones are not even parsed), one small dict per step, in
+    Only ``COMPARED_COLUMNS`` and the ``extra`` informational ones are kept (``None`` where a trace lacks an extra
+    column; the others are not even parsed), one small dict per step, in
     one linear pass (``tests/test_trace.py`` reads 100,000 steps). A UTF-8 byte-order mark is accepted; anything else
     the writer would not have written is an error naming the file and the line. ``argument`` names the file in
     messages (the monitor's ``reference``, or a command line's argument).
@@ -192,7 +199,7 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
     trace: dict[int, TraceRow] = {}
     previous: int | None = None
     with path.open("rb") as file:
-        rows = _csv_rows(path, file) if fmt == "csv" else _jsonl_rows(path, file)
+        rows = _csv_rows(path, file, extra) if fmt == "csv" else _jsonl_rows(path, file, extra)
         for line, (raw_step, *raw_values) in rows:
             step = _step(raw_step, path, line)
             # Steps increase, so the previous step is the largest so far: one comparison per row, never max(trace).
@@ -203,7 +210,7 @@ def read_trace(path: str | os.PathLike[str], argument: str = "reference") -> dic
                     f"step {step} follows step {previous}; steps must increase. Was the file appended to by two"
                     " runs? Record the reference again.",
                 )
-            trace[step] = _row(raw_values, path, line)
+            trace[step] = _row(raw_values, path, line, extra)
             previous = step
     if not trace:
         raise ValueError(f"The trace {str(path)!r} holds no step. Was the reference run stopped before its first step?")
@@ -220,13 +227,16 @@ def _readable_format(path: Path, argument: str) -> str:
     if not path.exists():
         raise FileNotFoundError(
             f"The {argument} trace {str(path)!r} does not exist. Record one first with"
-            f" `DenominatorMonitor(record={str(path)!r})`, and make it readable on every rank."
+            f" `DenominatorMonitor(record={str(path)!r})`"
+            # the monitor's `reference` is read by every rank of the run; a command line reads it once
+            + (", and make it readable on every rank." if argument == "reference" else ".")
         )
     return fmt
 
 
-def _row(raw_values: Sequence[object], path: Path, line: int) -> TraceRow:
-    row = {column: _number(raw, path, line, column) for column, raw in zip(COMPARED_COLUMNS, raw_values, strict=True)}
+def _row(raw_values: Sequence[object], path: Path, line: int, extra: Sequence[str]) -> TraceRow:
+    columns = (*COMPARED_COLUMNS, *extra)
+    row = {column: _number(raw, path, line, column) for column, raw in zip(columns, raw_values, strict=True)}
     count = row["global_count"]
     if count is None:
         raise _malformed(path, line, "`global_count` is empty.")

@@ -7,6 +7,7 @@ The callback wires Lightning's hooks to the framework-free parts: the window's n
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Mapping
@@ -222,6 +223,7 @@ class DenominatorMonitor(Callback):
         if stats is None:
             return
         self.last_window = stats
+        _lightning.show_on_progress_bar(trainer, _bar_values(stats))
         norms = (gradient, self._param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
         audit_error = None if audit is None else audit.error
         metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
@@ -263,6 +265,16 @@ class DenominatorMonitor(Callback):
     def _close(self) -> None:
         if self._observer is not None:
             self._observer.close()
+
+
+BAR_LOSS, BAR_COUNT = "exact_loss", "N"
+"""The progress bar's names of the step's exact token-mean loss and its N (docs/monitor.md)."""
+
+
+def _bar_values(stats: WindowStats) -> dict[str, float]:
+    """What the bar shows after a step: Lightning's own `train_loss` there is the last micro-batch's loss. Host
+    floats the window already read: no tensor, no host read. A step without items shows NaN, not the last loss."""
+    return {BAR_LOSS: math.nan if stats.loss is None else stats.loss, BAR_COUNT: stats.global_count}
 
 
 def _check_measurement(count_fn: object, loss_reduction: object) -> None:

@@ -239,7 +239,7 @@ class TokenMeanAccumulator:
                 except StopIteration:
                     break
                 last = (position + 1) % self._accumulate == 0 or position + 1 >= reader.length
-                step = f"optimizer step {self._windows + 1} (pass {self._passes}"
+                step = f"optimizer step {self._windows} (pass {self._passes}"  # 0-based, as traces
                 filler = self._mode.begin(position, last, self._accumulate, step)
                 self._in_flight = _InFlight(position, last, filler, move(item[0]))
                 with filler_batch(filler):

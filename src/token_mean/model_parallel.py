@@ -14,7 +14,7 @@ from torch import Tensor
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._arguments import check_passed_through, named_parameters
+from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
 from token_mean._core import Layout
 from token_mean._fsdp import AfterReduction, Outputs, check_reduction, mesh_world
 from token_mean._hooks import TokenMeanStrategy
@@ -101,6 +101,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
     @override
     def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
         check_passed_through(type(self).__name__, "ModelParallelStrategy", kwargs, _PASSED_THROUGH)
+        check_parent_values(type(self).__name__, kwargs)
 
     @override
     def _layout(self) -> Layout:

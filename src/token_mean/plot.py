@@ -1,11 +1,16 @@
-"""Draw a run's ``DenominatorMonitor`` trace against a reference's, as the demo's figure does.
+"""Draw a run's ``DenominatorMonitor`` trace, alone or against a reference's, as the demo's figure does.
 
-Record both runs with ``DenominatorMonitor(record=...)``, then::
+Record the runs with ``DenominatorMonitor(record=...)``, then::
 
+    python -m token_mean.plot runs/scaled/trace.csv                      # one run: loss, N and imbalance per step
     python -m token_mean.plot runs/scaled/trace.csv runs/reference/trace.csv -o compare.png
     python -m token_mean.plot run.jsonl reference.jsonl --rtol 1e-5 --atol 1e-7
 
-Three panels share the optimizer step: the loss of both runs; |Δ loss| on a log scale with the monitor's tolerance
+Curves are labelled by their run folder (every recorded trace is called ``trace.csv``), or by file name where the
+folders do not tell them apart. With one trace the three panels are its loss, N and imbalance (max n_r / mean n_r)
+per optimizer step. With a reference:
+
+three panels share the optimizer step: the loss of both runs; |Δ loss| on a log scale with the monitor's tolerance
 ``atol + rtol·|reference loss|``; and N, the global count, of both runs. The first divergent step, judged as
 ``DenominatorMonitor(reference=...)`` judges it (N within a relative 1e-9, then loss, gradient norm and parameter norm
 within the tolerance), is marked on every panel and printed. Without ``-o`` the figure goes beside RUN, as a ``.png``.
@@ -87,6 +92,14 @@ def compare_traces(run: dict[int, TraceRow], reference: dict[int, TraceRow], rto
     )
 
 
+def _labels(paths: Sequence[Path]) -> list[str]:
+    """What the figure calls each trace: its run folder, else its file name, else its path as given."""
+    for names in ([path.resolve().parent.name for path in paths], [path.name for path in paths]):
+        if all(names) and len(set(names)) == len(names):
+            return names
+    return [str(path) for path in paths]
+
+
 def _values(trace: dict[int, TraceRow], column: str, steps: Sequence[int]) -> list[float]:
     # NaN where a value is missing (the loss of a step with N = 0): matplotlib leaves a gap there.
     return [math.nan if (value := trace[step][column]) is None else value for step in steps]
@@ -131,17 +144,10 @@ def _draw(
     tolerances: tuple[float, float],
 ) -> None:
     """The three panels: both losses; |Δ loss| against the tolerance; both runs' N."""
-    try:
-        import matplotlib
-    except ImportError:  # an optional dependency: the monitor itself never draws
-        raise ModuleNotFoundError(
-            "Drawing traces needs matplotlib: `pip install 'lightning-token-mean[plot]'` (or `pip install matplotlib`)."
-        ) from None
-    matplotlib.use("Agg")  # files only: no display needed
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     run_steps, reference_steps = sorted(run), sorted(reference)
-    run_label, reference_label = f"run: {paths[0].name}", f"reference: {paths[1].name}"
+    names = _labels(paths)
+    run_label, reference_label = f"run: {names[0]}", f"reference: {names[1]}"
     figure, (loss_axes, delta_axes, count_axes) = plt.subplots(
         3, 1, sharex=True, figsize=(10, 9), height_ratios=(3, 2, 1.5)
     )
@@ -167,6 +173,47 @@ def _draw(
             color="tab:red",
             fontsize="small",
         )
+    _save(plt, figure, output)
+
+
+def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
+    """Draw one trace into ``output``: its loss, N and imbalance per step; returns how many steps it holds.
+
+    Raises: as :func:`plot_traces`, for the one trace.
+    """
+    output = Path(output)
+    if output.suffix.lower() not in FIGURE_SUFFIXES:
+        raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")
+    run = read_trace(run_path, "RUN", extra=("imbalance",))
+    plt = _pyplot()
+    steps = sorted(run)
+    figure, panels = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=(3, 1.5, 1.5))
+    rows = (("loss", "loss: token mean of the step"), ("global_count", "N per step"),
+            ("imbalance", "imbalance: max n_r / mean n_r"))
+    for axes, (column, label) in zip(panels, rows, strict=True):
+        axes.plot(steps, _values(run, column, steps), color="tab:blue", linewidth=1.3,
+                  drawstyle="default" if column == "loss" else "steps-mid")
+        axes.set_ylabel(label)
+    panels[0].set_title(f"{_labels([Path(run_path)])[0]} ({run_path})", fontsize="medium")
+    panels[-1].set_xlabel("optimizer step")
+    _save(plt, figure, output)
+    return len(steps)
+
+
+def _pyplot() -> Any:
+    try:
+        import matplotlib
+    except ImportError:  # an optional dependency: the monitor itself never draws
+        raise ModuleNotFoundError(
+            "Drawing traces needs matplotlib: `pip install matplotlib` (or, in a clone, `pip install -e '.[plot]'`)."
+        ) from None
+    matplotlib.use("Agg")  # files only: no display needed
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def _save(plt: Any, figure: Any, output: Path) -> None:
     figure.tight_layout()
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
@@ -199,11 +246,11 @@ def _parser() -> argparse.ArgumentParser:
 
     parser = argparse.ArgumentParser(
         prog="python -m token_mean.plot",
-        description="Draw a DenominatorMonitor trace against a reference trace: loss, |Δ loss| with the monitor's"
-        " tolerance, the first divergent step, and N per step.",
+        description="Draw a DenominatorMonitor trace: alone, its loss, N and imbalance per step; against a"
+        " reference trace, both losses, |Δ loss| with the monitor's tolerance, the first divergent step, and N.",
     )
-    parser.add_argument("run", metavar="RUN", help="the trace to check (.csv or .jsonl)")
-    parser.add_argument("reference", metavar="REFERENCE", help="the trusted trace to compare it with")
+    parser.add_argument("run", metavar="RUN", help="the trace to draw (.csv or .jsonl)")
+    parser.add_argument("reference", metavar="REFERENCE", nargs="?", help="a trusted trace to compare it with")
     parser.add_argument("-o", "--output", help=f"the figure, {'/'.join(FIGURE_SUFFIXES)} (default: RUN as .png)")
     parser.add_argument("--rtol", type=tolerance, default=DEFAULT_RTOL, help="relative tolerance (the monitor's)")
     parser.add_argument("--atol", type=tolerance, default=DEFAULT_ATOL, help="absolute tolerance (the monitor's)")
@@ -218,6 +265,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if output.suffix.lower() not in FIGURE_SUFFIXES:
         parser.error(f"-o/--output: {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}")
     try:
+        if args.reference is None:
+            print(f"{output}: {plot_run(args.run, output)} steps of {_labels([Path(args.run)])[0]}.")
+            return 0
         comparison = plot_traces(args.run, args.reference, output, rtol=args.rtol, atol=args.atol)
     except (OSError, ValueError, ImportError) as error:
         print(f"{parser.prog}: error: {error}", file=sys.stderr)
@@ -235,7 +285,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Comparison", "compare_traces", "main", "plot_traces"]
+__all__ = ["Comparison", "compare_traces", "main", "plot_run", "plot_traces"]
 
 
 if __name__ == "__main__":

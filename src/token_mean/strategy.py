@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._arguments import check_passed_through, named_parameters
+from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
 from token_mean._core import Layout
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._hooks import TokenMeanStrategy
@@ -96,6 +96,7 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
         check_passed_through(type(self).__name__, "DDPStrategy` or `DistributedDataParallel", kwargs, _PASSED_THROUGH)
+        check_parent_values(type(self).__name__, kwargs)
         if mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with `mode='deferred'`, which installs its own gradient"

@@ -1,0 +1,49 @@
+"""What a user installs: the version, the declared dependency range against what the suite ran on, the install
+commands the docs and messages give."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import re
+import tomllib
+from pathlib import Path
+
+from packaging.requirements import Requirement
+from packaging.version import Version
+
+import token_mean
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_version_is_the_distributions() -> None:
+    assert token_mean.__version__ == importlib.metadata.version("lightning-token-mean")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert token_mean.__version__ == project["version"]
+    assert f"## {project['version']}" in (ROOT / "CHANGELOG.md").read_text()
+
+
+def test_declared_range_holds_the_tested_versions() -> None:
+    """Every runtime dependency is bounded above, and constraints.txt's pin (what the suite ran on) lies inside."""
+    pins = {
+        Requirement(line).name: Version(str(next(iter(Requirement(line).specifier))).lstrip("="))
+        for line in (ROOT / "constraints.txt").read_text().splitlines()
+        if line and not line.startswith("#")
+    }
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for text in project["dependencies"]:
+        requirement = Requirement(text)
+        assert requirement.name in pins, requirement
+        assert pins[requirement.name] in requirement.specifier, (requirement, pins[requirement.name])
+        if requirement.name in ("torch", "lightning"):
+            assert any(spec.operator == "<" for spec in requirement.specifier), f"{requirement}: no upper bound"
+    readme = (ROOT / "README.md").read_text()
+    assert f"torch=={pins['torch']}" in readme and f"lightning=={pins['lightning']}" in readme
+
+
+def test_no_install_command_names_an_unpublished_package() -> None:
+    """`lightning-token-mean` is not on a package index: the docs and messages install from a clone or a wheel."""
+    texts = [ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "src" / "token_mean").glob("*.py")]
+    unpublished = re.compile(r"pip install '?lightning-token-mean")
+    offenders = [str(path.relative_to(ROOT)) for path in texts if unpublished.search(path.read_text())]
+    assert offenders == []
