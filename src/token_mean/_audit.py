@@ -368,7 +368,7 @@ class Auditor:
 
     def start(self, first_window: int) -> None:
         """A run starts: its first window is ``first_window`` (the optimizer steps taken before it)."""
-        self.audits = []
+        self.audits.clear()  # in place: a monitor hands this list out
         self._recorded = None
         self._schedule.start(first_window)
 
