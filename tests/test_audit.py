@@ -553,3 +553,22 @@ def test_fabric_monitor_needs_the_loss() -> None:
 
     with pytest.raises(ValueError, match=r"`audit_every=2` needs `audit_loss`, a callable fn\(model, batch\)"):
         FabricMonitor(audit_every=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("data_parallel", "tensor_parallel"), [(2, 1), (2, 2)], ids=["fsdp2", "fsdp2xtp"])
+def test_model_parallel_is_refused_at_fit_start(tmp_path: Path, data_parallel: int, tensor_parallel: int) -> None:
+    """FSDP2 and tensor parallelism: the replay needs whole parameters, so every rank refuses before the first
+    batch, saying why."""
+    from _mesh import MeshModule
+    from test_model_parallel import strategy_for as mesh_strategy
+
+    devices = data_parallel * tensor_parallel
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: audited_fit(
+        MeshModule(ragged_batches(data_parallel, 2, seed=248)), mesh_strategy("lookahead", data_parallel,
+                                                                               tensor_parallel), tmp_path, devices,
+    ), ranks=devices)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: `DenominatorMonitor(audit_every=1)` cannot audit this model: its"
+                                " parameters are DTensors (FSDP2 or tensor parallelism)"), errors[0]

@@ -352,9 +352,9 @@ class Auditor:
     def enabled(self) -> bool:
         return self._schedule.enabled
 
-    def prepare(self, module: nn.Module, objective: Objective, precision: str | None = None) -> None:
+    def prepare(self, module: nn.Module, objective: Objective | None, precision: str | None = None) -> None:
         """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it."""
-        if not self._schedule.enabled:
+        if not self._schedule.enabled or objective is None:
             return
         why = refusal(module)
         if why is not None:

@@ -109,8 +109,7 @@ class DenominatorMonitor(Callback):
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
         self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
-        self.audits: list[Audit] = self._auditing.audits
-        """Every audited window of the last fit, in order (empty without ``audit_every``)."""
+        self.audits: list[Audit] = self._auditing.audits  # every audited window of the last fit, in order
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -120,6 +119,7 @@ class DenominatorMonitor(Callback):
         self.last_window: WindowStats | None = None
         """The window of the last optimizer step, as logged."""
         self._observer: Observer | None = None  # from `setup` (it reads the reference)
+        self._objective: Objective | None = None  # what the audit recomputes, from `setup`
         self._strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged
         self._measuring = _Measuring(count_valid_labels, "mean")
         self._window_started_at = 0.0
@@ -145,7 +145,7 @@ class DenominatorMonitor(Callback):
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        self._auditing.prepare(pl_module, _trainer_objective(trainer, count_fn, reduction, aux), str(trainer.precision))
+        self._objective = _trainer_objective(trainer, count_fn, reduction, aux)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -154,6 +154,7 @@ class DenominatorMonitor(Callback):
         self._warned_missing_window = False
         self._reset_window()
         self._measuring.start(trainer.strategy.root_device)
+        self._auditing.prepare(pl_module, self._objective, str(trainer.precision))  # sharded after `setup`
         self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
 
