@@ -572,3 +572,21 @@ def test_model_parallel_is_refused_at_fit_start(tmp_path: Path, data_parallel: i
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("ValueError: `DenominatorMonitor(audit_every=1)` cannot audit this model: its"
                                 " parameters are DTensors (FSDP2 or tensor parallelism)"), errors[0]
+
+
+class ManualModule(TokenModule):
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__(data)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(token_loss(self.net, batch))
+        optimizer.step()
+
+
+def test_manual_optimization_is_refused(tmp_path: Path) -> None:
+    """Replaying a `training_step` that steps the optimizer itself would train: refused before the first batch."""
+    with pytest.raises(ValueError, match=r"needs automatic optimization: with `automatic_optimization = False`"):
+        audited_fit(ManualModule(ragged_batches(1, 2, seed=249)), "auto", tmp_path, devices=1)

@@ -145,7 +145,7 @@ class DenominatorMonitor(Callback):
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        self._objective = _trainer_objective(trainer, count_fn, reduction, aux)
+        self._objective = _trainer_objective(trainer, count_fn, reduction, aux, self._auditing.enabled)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -246,10 +246,20 @@ def _should_log(trainer: Trainer, interval: int | None, step: int) -> bool:
     return (step + 1) % interval == 0 or trainer.should_stop
 
 
-def _trainer_objective(trainer: Trainer, count_fn: CountFn, reduction: str, aux: bool) -> Objective:
+def _trainer_objective(trainer: Trainer, count_fn: CountFn, reduction: str, aux: bool, audited: bool) -> Objective:
     """What the audit recomputes under the Trainer: ``training_step``'s loss, under its precision context."""
+    _check_auditable(trainer.lightning_module, audited)
     context = trainer.strategy.precision_plugin.train_step_context
     return Objective(_training_step_loss, count_fn, reduction, aux, context)
+
+
+def _check_auditable(pl_module: LightningModule, audited: bool) -> None:
+    if audited and not pl_module.automatic_optimization:
+        raise ValueError(
+            "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
+            " False`, `training_step` calls backward and the optimizer itself, so replaying it would train. Remove"
+            " `audit_every`."
+        )
 
 
 def _measured_by(
