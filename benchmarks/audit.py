@@ -91,7 +91,8 @@ def summarize(runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
         extra = [(r["audited_window_s"] - r["other_window_s"]) / r["other_window_s"] for r in on]
         rows.append({"model": model, "ratio_median": statistics.median(ratios), "ratio_min": min(ratios),
                      "ratio_max": max(ratios), "ratios": ratios, "cpu_ratio_median": statistics.median(cpu_ratios),
-                     "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_max": max(cpu_ratios), "audit_extra_steps_median": statistics.median(extra),
+                     "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_max": max(cpu_ratios),
+                     "audit_extra_steps_median": statistics.median(extra),
                      "seconds_per_step_off": statistics.median(r["seconds_per_step"] for r in off.values())})
     return rows
 
