@@ -317,7 +317,7 @@ def _weighted(loss: Tensor | None, count: float, reduction: str, global_count: f
 
 def _relative_error(parameters: Sequence[tuple[str, nn.Parameter]], objective: Sequence[Tensor],
                     device: torch.device) -> Tensor:
-    """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when only g* is)."""
+    """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when g* is zero and g is not)."""
     difference = torch.zeros((), dtype=torch.float64, device=device)
     reference = torch.zeros((), dtype=torch.float64, device=device)
     for (_, p), expected in zip(parameters, objective, strict=True):
