@@ -590,3 +590,17 @@ def test_manual_optimization_is_refused(tmp_path: Path) -> None:
     """Replaying a `training_step` that steps the optimizer itself would train: refused before the first batch."""
     with pytest.raises(ValueError, match=r"needs automatic optimization: with `automatic_optimization = False`"):
         audited_fit(ManualModule(ragged_batches(1, 2, seed=249)), "auto", tmp_path, devices=1)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("32-true", 1e-4), ("bf16-mixed", 5e-2)])
+def test_default_tolerance_follows_the_precision(tmp_path: Path, precision: str, tolerance: float) -> None:
+    """A float32 model on one device under the token-mean strategy: passes at the float32 default; under
+    `bf16-mixed` (the replay runs under the same autocast) at the looser bf16 default."""
+    from _harness import cast
+
+    data = cast(ragged_batches(1, 4, seed=250), torch.float32)
+    module = TokenModule(data, dtype=torch.float32)
+    _, audits = audited_fit(module, strategy_for("lookahead"), tmp_path, devices=1, accumulate_grad_batches=2,
+                            precision=precision)
+    assert [a.tolerance for a in audits[0]] == [tolerance] * 2, audits[0]
+    assert all(a.passed and a.error is not None for a in audits[0]), audits[0]
