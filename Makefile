@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/model_parallel.py
+	$(PY) benchmarks/audit.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -96,6 +96,9 @@ VAL_PAIRS = 128  # the first 128 of the held-out split: ~1 s of forward passes p
 # step 0.
 RTOL = 1e-4
 ATOL = 1e-6
+# The objective audit (docs/audit.md) of the DDP runs: the first window and every AUDIT_EVERY-th replayed on one
+# module and compared with the gradient the optimizer is about to apply; no reference run needed.
+AUDIT_EVERY = 10
 
 
 # ----------------------------------------------------------------------------------------------------------------
@@ -223,9 +226,11 @@ def train_one(args: argparse.Namespace) -> None:
     else:
         strategy, devices, accumulate = DDPStrategy(), args.devices, args.accumulate
 
-    # Every run records its own trace (for the table and the plot); the DDP runs also compare with the reference.
+    # Every run records its own trace (for the table and the plot); the DDP runs also compare with the reference,
+    # and audit their own gradients against the token-mean objective.
     monitor = DenominatorMonitor(
-        record=run_dir / "trace.csv", reference=reference, rtol=RTOL, atol=ATOL, on_divergence="log"
+        record=run_dir / "trace.csv", reference=reference, rtol=RTOL, atol=ATOL, on_divergence="log",
+        audit_every=None if args.run == "reference" else AUDIT_EVERY, on_audit_failure="log",
     )
     loggers: list[Logger] = [CSVLogger(run_dir, name="", version="csv")]
     if importlib.util.find_spec("tensorboard") is not None:
@@ -262,6 +267,7 @@ def train_one(args: argparse.Namespace) -> None:
             "first_flagged_step": None if divergence is None else divergence.step,
             "first_flagged_quantity": None if divergence is None else divergence.quantity,
             "first_flagged_message": None if divergence is None else divergence.message,
+            "audits": [audit.__dict__ for audit in monitor.audits],
             "data_digest": digest,
             "parameters": sum(p.numel() for p in module.model.parameters()),
             "run_seconds": time.perf_counter() - started,  # from data loading to the end of validation, on rank 0
@@ -377,6 +383,7 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
         "val loss",
         "max |Δ loss| vs ref",
         "first flagged step",
+        "audit error (step 0)",
         "wall s",
     )
     lines = [header]
@@ -390,11 +397,19 @@ def format_table(rows: dict[str, dict[str, Any]]) -> str:
                 f"{row['val_loss']:.4f}",
                 f"{row['max_abs_loss_deviation']:.2e}" if compared else "—",
                 ("none" if step is None else f"{step} ({quantity})") if compared else "—",
+                _first_audit(row["audits"]) if compared else "—",
                 f"{row['wall_seconds']:.1f}",
             )
         )
     widths = [max(len(line[column]) for line in lines) for column in range(len(header))]
     return "\n".join("  ".join(cell.rjust(width) for cell, width in zip(line, widths, strict=True)) for line in lines)
+
+
+def _first_audit(audits: list[dict[str, Any]]) -> str:
+    if not audits or audits[0]["error"] is None:
+        return "none"
+    first = audits[0]
+    return f"{first['error']:.1e} {'ok' if first['passed'] else 'FLAGGED'}"
 
 
 def plot(

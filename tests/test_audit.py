@@ -456,3 +456,151 @@ def test_a_resumed_run(tmp_path: Path, mode: str) -> None:
     assert [audit.step for audit in audits[0]] == [2, 3], audits[0]
     assert_never_flagged(audits, 2)
     assert_unchanged(params, plain)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fabric
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def litgpt_loop_audited(fabric: Any, data: list[list[Batch]], accumulate: int) -> list[dict[str, Any]]:
+    """LitGPT's `fabric.backward(loss / K)` loop, audited by `FabricMonitor` alone."""
+    from _fabric import rank_batches, setup, shifted_loss
+
+    from token_mean import count_shifted_labels
+    from token_mean.fabric import FabricMonitor
+
+    monitor = FabricMonitor(audit_every=1, audit_loss=shifted_loss, count_fn=count_shifted_labels,
+                            on_audit_failure="log")
+    model, optimizer = setup(fabric)
+    audits = []
+    for index, batch in enumerate(rank_batches(fabric, data)):
+        accumulating = (index + 1) % accumulate != 0
+        monitor.micro_batch(model, batch)
+        with fabric.no_backward_sync(model, enabled=accumulating):
+            fabric.backward(shifted_loss(model, batch) / accumulate)
+        if not accumulating:
+            audits.append(monitor.audit(model).__dict__)
+            optimizer.step()
+            optimizer.zero_grad()
+    return audits
+
+
+@pytest.mark.distributed
+def test_fabric_litgpt_loop_is_flagged_by_the_monitor_alone() -> None:
+    from _fabric import fabric_for, launched, shifted_count, shifted_loss
+
+    data = nonempty(ragged_batches(2, 4, seed=245))
+    for rank in data:
+        for batch in rank:
+            batch["labels"][:, 1] = 2  # a shifted target in every row
+    window = first_window(data, 2)
+    total = sum(shifted_count(b) for rank in window for b in rank)
+    exact = gradient_of(lambda net: sum(shifted_loss(net, b, "sum") for rank in window for b in rank) / total)
+    naive = gradient_of(lambda net: sum(shifted_loss(net, b) for rank in window for b in rank) / (2 * 2))
+    audits = [Audit(**a) for a in launched(fabric_for("ddp"), litgpt_loop_audited, data, 2)]
+    assert [a.step for a in audits] == [0, 1]
+    assert_flagged([audits], audit_error([naive] * 2, exact))
+
+
+def accumulator_audited(fabric: Any, data: list[list[Batch]], mode: str, every: int | None) -> dict[str, Any]:
+    from _fabric import accumulator_loop, shifted_loss
+
+    from token_mean.fabric import FabricMonitor
+
+    windows: list[dict[str, Any]] = []
+    monitor = FabricMonitor(audit_every=every, audit_loss=shifted_loss, on_audit_failure="raise")
+    params = accumulator_loop(fabric, data, 3, mode, windows=windows, monitor=monitor)
+    return {"params": params, "errors": [w["audit_error"] for w in windows],
+            "audits": [a.__dict__ for a in monitor.audits]}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["lookahead", "deferred"])
+def test_fabric_accumulator_is_never_flagged_and_unchanged(mode: str) -> None:
+    """Fabric DDP, uneven ranks (fillers), K = 3: every window audited in `finish()`, its figure on the stats."""
+    from _fabric import fabric_for, launched
+
+    data = ragged_batches(2, 7, seed=246)
+    data[1] = data[1][:5]
+    off = launched(fabric_for("ddp"), accumulator_audited, data, mode, None)
+    on = launched(fabric_for("ddp"), accumulator_audited, data, mode, 1)
+    assert off["errors"] == [None] * 3 and off["audits"] == []
+    assert len(on["errors"]) == 3 and all(e is not None and e < NEVER_FLAGGED for e in on["errors"]), on["errors"]
+    assert [Audit(**a).passed for a in on["audits"]] == [True] * 3
+    assert_unchanged(on["params"], off["params"])
+
+
+def model_parallel_refused(fabric: Any, data: list[list[Batch]]) -> str:
+    try:
+        accumulator_audited(fabric, data, "lookahead", 1)
+    except ValueError as error:
+        return str(error)
+    return "not refused"
+
+
+@pytest.mark.distributed
+def test_fabric_model_parallel_is_refused_with_the_reason() -> None:
+    from _fabric import fabric_for, launched
+
+    message = launched(fabric_for("fsdp"), model_parallel_refused, ragged_batches(2, 3, seed=247))
+    assert message.startswith("`FabricMonitor(audit_every=1)` cannot audit this model: its parameters are DTensors"), (
+        message)
+
+
+def test_fabric_monitor_needs_the_loss() -> None:
+    from token_mean.fabric import FabricMonitor
+
+    with pytest.raises(ValueError, match=r"`audit_every=2` needs `audit_loss`, a callable fn\(model, batch\)"):
+        FabricMonitor(audit_every=2)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("data_parallel", "tensor_parallel"), [(2, 1), (2, 2)], ids=["fsdp2", "fsdp2xtp"])
+def test_model_parallel_is_refused_at_fit_start(tmp_path: Path, data_parallel: int, tensor_parallel: int) -> None:
+    """FSDP2 and tensor parallelism: the replay needs whole parameters, so every rank refuses before the first
+    batch, saying why."""
+    from _mesh import MeshModule
+    from test_model_parallel import strategy_for as mesh_strategy
+
+    devices = data_parallel * tensor_parallel
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: audited_fit(
+        MeshModule(ragged_batches(data_parallel, 2, seed=248)), mesh_strategy("lookahead", data_parallel,
+                                                                               tensor_parallel), tmp_path, devices,
+    ), ranks=devices)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: `DenominatorMonitor(audit_every=1)` cannot audit this model: its"
+                                " parameters are DTensors (FSDP2 or tensor parallelism)"), errors[0]
+
+
+class ManualModule(TokenModule):
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__(data)
+        self.automatic_optimization = False
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        optimizer = self.optimizers()
+        optimizer.zero_grad()
+        self.manual_backward(token_loss(self.net, batch))
+        optimizer.step()
+
+
+def test_manual_optimization_is_refused(tmp_path: Path) -> None:
+    """Replaying a `training_step` that steps the optimizer itself would train: refused before the first batch."""
+    with pytest.raises(ValueError, match=r"needs automatic optimization: with `automatic_optimization = False`"):
+        audited_fit(ManualModule(ragged_batches(1, 2, seed=249)), "auto", tmp_path, devices=1)
+
+
+@pytest.mark.parametrize(("precision", "tolerance"), [("32-true", 1e-4), ("bf16-mixed", 5e-2)])
+def test_default_tolerance_follows_the_precision(tmp_path: Path, precision: str, tolerance: float) -> None:
+    """A float32 model on one device under the token-mean strategy: passes at the float32 default; under
+    `bf16-mixed` (the replay runs under the same autocast) at the looser bf16 default."""
+    from _harness import cast
+
+    data = cast(ragged_batches(1, 4, seed=250), torch.float32)
+    module = TokenModule(data, dtype=torch.float32)
+    _, audits = audited_fit(module, strategy_for("lookahead"), tmp_path, devices=1, accumulate_grad_batches=2,
+                            precision=precision)
+    assert [a.tolerance for a in audits[0]] == [tolerance] * 2, audits[0]
+    assert all(a.passed and a.error is not None for a in audits[0]), audits[0]

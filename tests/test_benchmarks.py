@@ -60,6 +60,16 @@ def test_fidelity_quick(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_audit_quick(tmp_path: Path) -> None:
+    payload = run_script("audit", tmp_path)
+    assert {r["model"] for r in payload["rows"]} == {"tiny", "tinylm"}
+    for key in ("ratio_tiny", "ratio_tinylm", "cpu_ratio_tiny", "cpu_ratio_tinylm"):
+        assert isinstance(payload[key], float) and payload[key] > 0, (key, payload[key])
+    assert len(payload["runs"]) == 8  # 2 models x 2 repetitions x (off, on)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_overhead_quick(tmp_path: Path) -> None:
     payload = run_script("overhead", tmp_path)
     for key in ("ratio_lookahead", "ratio_deferred"):

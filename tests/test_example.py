@@ -225,6 +225,10 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
     assert runs["token_mean"]["first_flagged_step"] is None
     assert runs["naive"]["first_flagged_step"] is not None
     assert runs["naive"]["max_abs_loss_deviation"] > 100 * runs["token_mean"]["max_abs_loss_deviation"]
+    # the objective audit of step 0: plain DDP flagged, the token-mean run not (float32: tolerance 1e-4)
+    assert [audit["passed"] for audit in runs["naive"]["audits"]] == [False], runs["naive"]["audits"]
+    assert [audit["passed"] for audit in runs["token_mean"]["audits"]] == [True], runs["token_mean"]["audits"]
+    assert "FLAGGED" in done.stdout
     assert len({run["data_digest"] for run in runs.values()}) == 1
     val_losses = runs["reference"]["val_loss"], runs["token_mean"]["val_loss"]
     assert abs(val_losses[1] - val_losses[0]) <= LOSS_RTOL * val_losses[0]

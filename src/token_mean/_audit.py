@@ -317,7 +317,7 @@ def _weighted(loss: Tensor | None, count: float, reduction: str, global_count: f
 
 def _relative_error(parameters: Sequence[tuple[str, nn.Parameter]], objective: Sequence[Tensor],
                     device: torch.device) -> Tensor:
-    """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when only g* is)."""
+    """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when g* is zero and g is not)."""
     difference = torch.zeros((), dtype=torch.float64, device=device)
     reference = torch.zeros((), dtype=torch.float64, device=device)
     for (_, p), expected in zip(parameters, objective, strict=True):
@@ -352,9 +352,9 @@ class Auditor:
     def enabled(self) -> bool:
         return self._schedule.enabled
 
-    def prepare(self, module: nn.Module, objective: Objective, precision: str | None = None) -> None:
+    def prepare(self, module: nn.Module, objective: Objective | None, precision: str | None = None) -> None:
         """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it."""
-        if not self._schedule.enabled:
+        if not self._schedule.enabled or objective is None:
             return
         why = refusal(module)
         if why is not None:
@@ -368,7 +368,7 @@ class Auditor:
 
     def start(self, first_window: int) -> None:
         """A run starts: its first window is ``first_window`` (the optimizer steps taken before it)."""
-        self.audits = []
+        self.audits.clear()  # in place: a monitor hands this list out
         self._recorded = None
         self._schedule.start(first_window)
 
@@ -409,6 +409,80 @@ class Auditor:
         return self.audits[-1]
 
 
+FABRIC_UNSEEN = (
+    "the loop's own scaling of the loss (`fabric.backward(loss / K)` averages micro-batch means, a mean of means:"
+    " use `TokenMeanAccumulator`); an `audit_loss` that is not the loop's loss; gradient hooks on parameters or"
+    " modules; DDP's reducer and comm hooks; parameters DDP does not reduce (unfrozen after `fabric.setup`); anything"
+    " the loop does to `.grad` before the audit"
+)
+
+
+class FabricAuditing:
+    """:class:`Auditor` for a Fabric loop (``FabricMonitor``): the loop says when a micro-batch's forward starts
+    (:meth:`micro_batch`) and when its window's last backward is done (:meth:`audit`).
+
+    ``loss(model, batch)`` is the loop's loss of one micro-batch on the unwrapped module (a tensor, or a mapping
+    with ``"loss"`` and ``"aux_loss"``); the count and the loss reduction are the accumulator's, else the monitor's.
+    """
+
+    def __init__(self, schedule: AuditSchedule, loss: object, count_fn: CountFn, loss_reduction: str) -> None:
+        if schedule.enabled and not callable(loss):
+            raise ValueError(
+                f"`audit_every={schedule.every}` needs `audit_loss`, a callable fn(model, batch) -> loss computing the"
+                f" micro-batch's loss exactly as the loop does, got {loss!r}."
+            )
+        self.auditor = Auditor(schedule, "FabricMonitor")
+        self._loss = loss
+        self._count_fn, self._loss_reduction, self._aux = count_fn, loss_reduction, False
+        self._module: nn.Module | None = None  # the unwrapped module, once attached
+        self._device = torch.device("cpu")
+        self._open = False  # a window's first micro-batch was recorded
+        self._windows = 0
+
+    def attach(self, model: Any, count_fn: CountFn | None = None, loss_reduction: str | None = None,
+               aux: bool = False) -> None:
+        """The model ``fabric.setup`` returned (and the accumulator's count); a ``ValueError`` if it cannot be
+        audited."""
+        from token_mean import _lightning
+
+        if not self.auditor.enabled:
+            return
+        modules = _lightning.fabric_modules(model)
+        strategy = _lightning.fabric_strategy_of(model)
+        if modules is None or strategy is None:
+            raise ValueError(f"The audit needs the model `fabric.setup` returned, got {type(model).__name__}.")
+        self._module, self._device = modules[1], strategy.root_device
+        self._count_fn = count_fn or self._count_fn
+        self._loss_reduction, self._aux = loss_reduction or self._loss_reduction, aux
+        objective = Objective(self._replayed_loss, self._count_fn, self._loss_reduction, aux,
+                              strategy.precision.forward_context)
+        self.auditor.prepare(self._module, objective, None)
+        self.auditor.start(0)
+
+    def _replayed_loss(self, module: nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
+        output = self._loss(module, micro_batch.batch)  # type: ignore[operator]
+        if isinstance(output, Tensor):
+            return output, None
+        aux = output.get("aux_loss") if isinstance(output, dict) else None
+        loss = output.get("loss") if isinstance(output, dict) else None
+        return loss, aux
+
+    def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None:
+        """Before a micro-batch's forward (the first after an audit opens a window)."""
+        if self.auditor.enabled and self._module is None:
+            self.attach(model)
+        self.auditor.micro_batch(self._windows, not self._open, batch, filler)
+        self._open = True
+
+    def audit(self, model: Any, unseen: str = FABRIC_UNSEEN) -> Audit | None:
+        """After the window's last backward, before clipping and the step: its audit (None if not audited)."""
+        window, self._windows, self._open = self._windows, self._windows + 1, False
+        if self._module is None:
+            return None
+        self.auditor.audit(self._module, window, self._device, lambda: unseen)
+        return self.auditor.window_end(window)
+
+
 def failure_message(audit: Audit, unseen: str) -> str:
     """What a failed audit says: the step, the error, the tolerance, and what lies where the audit cannot see."""
     return (
@@ -426,6 +500,7 @@ __all__ = [
     "AuditError",
     "AuditSchedule",
     "Auditor",
+    "FabricAuditing",
     "MicroBatch",
     "Objective",
     "OnAuditFailure",

@@ -51,6 +51,8 @@ class WindowStats:
             ``DenominatorMonitor`` measured under a strategy that does not normalize it.
         aux_loss: the mean of the ``"aux_loss"`` terms over the window's real micro-batches on all ranks, when
             ``training_step`` returns one; else ``None``.
+        audit_error: the objective audit's ‖g − g*‖ / ‖g*‖ of the window (``FabricMonitor(audit_every=...)``);
+            ``None`` when the window was not audited or had nothing to compare (N = 0).
 
     Example:
         >>> stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
@@ -66,6 +68,7 @@ class WindowStats:
     skipped: bool
     mode: str
     aux_loss: float | None = None
+    audit_error: float | None = None
 
     @property
     def world_size(self) -> int | None:

@@ -71,22 +71,14 @@ class DenominatorMonitor(Callback):
         on_divergence: at the first divergent step, ``"warn"`` warns, ``"raise"`` raises
             :class:`~token_mean.DivergenceError` on every rank, ``"log"`` logs ``{prefix}/reference_divergence`` at
             every step and says it once through ``rank_zero_info``.
-        audit_every: audit the first window and every this many windows after it (``None``, the default: never).
-            The objective audit (``docs/audit.md``) recomputes the gradient of the window's token-mean objective
-            by replaying its micro-batches on the unwrapped module, before ``on_before_optimizer_step`` and
-            clipping, and compares it with ``.grad``: it logs ``{prefix}/audit_error`` and appends an
-            :class:`~token_mean.Audit` to :attr:`audits`. It works under any strategy, plain ``DDPStrategy`` and
-            one device included.
-        on_audit_failure: when the error exceeds the tolerance, ``"raise"`` raises :class:`~token_mean.AuditError`
-            (a :class:`~token_mean.DenominatorError`) on every rank before the update, ``"warn"`` warns,
-            ``"log"`` says it through ``rank_zero_info``.
-        audit_tolerance: the largest error that passes; ``None``: by dtype (1e-10 for float64, 1e-4 for float32,
-            5e-2 under ``bf16-mixed``, 1e-2 under ``16-mixed``).
+        audit_every, on_audit_failure, audit_tolerance: the objective audit (``docs/audit.md``) of the first window
+            and every ``audit_every``-th after it, under any strategy: ``.grad`` against a replay of the window's
+            token-mean gradient, logged as ``{prefix}/audit_error`` and kept in :attr:`audits`.
 
     Raises:
         AuditError: with ``on_audit_failure="raise"``, at the first audited window whose gradient is wrong.
-        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit (FSDP2 or tensor
-            parallel DTensors, ``SyncBatchNorm``); if a setting is out of range, a trace suffix is not
+        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit (DTensor parameters,
+            ``SyncBatchNorm``); if a setting is out of range, a trace suffix is not
             ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same file; at fit start, if
             the reference is malformed or covers a different number of optimizer steps than this run.
         TypeError: if ``count_fn`` is not callable.
@@ -118,6 +110,7 @@ class DenominatorMonitor(Callback):
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
         self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
+        self.audits: list[Audit] = self._auditing.audits  # every audited window of the last fit, in order
         self._settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
         )
@@ -127,6 +120,7 @@ class DenominatorMonitor(Callback):
         self.last_window: WindowStats | None = None
         """The window of the last optimizer step, as logged."""
         self._observer: Observer | None = None  # from `setup` (it reads the reference)
+        self._objective: Objective | None = None  # what the audit recomputes, from `setup`
         self._strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged
         self._measuring = _Measuring(count_valid_labels, "mean")
         self._window_started_at = 0.0
@@ -134,11 +128,6 @@ class DenominatorMonitor(Callback):
         self._grad_norm: Tensor | None = None
         self._step_at_batch_start = 0
         self._warned_missing_window = False
-
-    @property
-    def audits(self) -> list[Audit]:
-        """Every audited window of the last fit, in order (empty without ``audit_every``)."""
-        return self._auditing.audits
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -153,20 +142,11 @@ class DenominatorMonitor(Callback):
         self._strategy = strategy if isinstance(strategy, TokenMeanStrategy) else None
         if self._strategy is not None:
             self._strategy.track_rank_counts()  # the per-rank figures need every rank's count
-            if self._count_fn_arg is not None and self._count_fn_arg is not self._strategy.count_fn:
-                rank_zero_warn(
-                    "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
-                    f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy"
-                    " instead."
-                )
-        count_fn = self._count_fn_arg or (count_valid_labels if self._strategy is None else self._strategy.count_fn)
-        reduction = self._loss_reduction_arg or ("mean" if self._strategy is None else self._strategy.loss_reduction)
+        count_fn, reduction = _measured_by(self._count_fn_arg, self._loss_reduction_arg, self._strategy)
         self._measuring = _Measuring(count_fn, reduction)
         self._observer = Observer(self._settings)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        context = trainer.strategy.precision_plugin.train_step_context
-        objective = Objective(_training_step_loss, count_fn, reduction, aux, context)
-        self._auditing.prepare(pl_module, objective, str(trainer.precision))
+        self._objective = _trainer_objective(trainer, count_fn, reduction, aux, self._auditing.enabled)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -175,6 +155,7 @@ class DenominatorMonitor(Callback):
         self._warned_missing_window = False
         self._reset_window()
         self._measuring.start(trainer.strategy.root_device)
+        self._auditing.prepare(pl_module, self._objective, str(trainer.precision))  # sharded after `setup`
         self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
 
@@ -224,10 +205,11 @@ class DenominatorMonitor(Callback):
             return
         self.last_window = stats
         _lightning.show_on_progress_bar(trainer, _bar_values(stats))
-        norms = (gradient, self._param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
+        norms = (gradient, _param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
         audit_error = None if audit is None else audit.error
         metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
-        if (self._should_log(trainer, step) or divergent or audit_error is not None) and trainer.is_global_zero:
+        log_now = _should_log(trainer, self.logging_interval, step) or divergent or audit_error is not None
+        if log_now and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
 
@@ -239,20 +221,9 @@ class DenominatorMonitor(Callback):
             return stats
         if not self._warned_missing_window:
             self._warned_missing_window = True
-            rank_zero_warn(
-                f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
-                " DenominatorMonitor logs nothing for such steps."
-            )
+            rank_zero_warn(f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
+                           " DenominatorMonitor logs nothing for such steps.")
         return None
-
-    @staticmethod
-    def _param_norm(trainer: Trainer, pl_module: LightningModule) -> Tensor | None:
-        return global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
-
-    def _should_log(self, trainer: Trainer, step: int) -> bool:
-        if self.logging_interval is None:
-            return _lightning.should_update_logs(trainer)  # when Lightning logs the batch's own `self.log` values
-        return (step + 1) % self.logging_interval == 0 or trainer.should_stop
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -275,6 +246,46 @@ def _bar_values(stats: WindowStats) -> dict[str, float]:
     """What the bar shows after a step: Lightning's own `train_loss` there is the last micro-batch's loss. Host
     floats the window already read: no tensor, no host read. A step without items shows NaN, not the last loss."""
     return {BAR_LOSS: math.nan if stats.loss is None else stats.loss, BAR_COUNT: stats.global_count}
+
+
+def _param_norm(trainer: Trainer, pl_module: LightningModule) -> Tensor | None:
+    return global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
+
+
+def _should_log(trainer: Trainer, interval: int | None, step: int) -> bool:
+    if interval is None:
+        return _lightning.should_update_logs(trainer)  # when Lightning logs the batch's own `self.log` values
+    return (step + 1) % interval == 0 or trainer.should_stop
+
+
+def _trainer_objective(trainer: Trainer, count_fn: CountFn, reduction: str, aux: bool, audited: bool) -> Objective:
+    """What the audit recomputes under the Trainer: ``training_step``'s loss, under its precision context."""
+    _check_auditable(trainer.lightning_module, audited)
+    context = trainer.strategy.precision_plugin.train_step_context
+    return Objective(_training_step_loss, count_fn, reduction, aux, context)
+
+
+def _check_auditable(pl_module: LightningModule, audited: bool) -> None:
+    if audited and not pl_module.automatic_optimization:
+        raise ValueError(
+            "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
+            " False`, `training_step` calls backward and the optimizer itself, so replaying it would train. Remove"
+            " `audit_every`."
+        )
+
+
+def _measured_by(
+    count_fn: CountFn | None, loss_reduction: LossReduction | None, strategy: TokenMeanStrategy | None
+) -> tuple[CountFn, LossReduction]:
+    """The count and loss reduction the monitor measures and audits with: the strategy's, else the monitor's."""
+    if strategy is not None and count_fn is not None and count_fn is not strategy.count_fn:
+        rank_zero_warn(
+            "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
+            f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy instead."
+        )
+    if strategy is not None:
+        return strategy.count_fn, loss_reduction or strategy.loss_reduction
+    return count_fn or count_valid_labels, loss_reduction or "mean"
 
 
 def _check_measurement(count_fn: object, loss_reduction: object) -> None:

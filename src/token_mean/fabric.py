@@ -31,7 +31,7 @@ from __future__ import annotations
 import itertools
 import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -40,8 +40,10 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from token_mean import _lightning, _torch
+from token_mean._audit import Audit, AuditSchedule, FabricAuditing, OnAuditFailure
 from token_mean._core import Layout, checked_settings, make_mode
 from token_mean._counting import CountFn
+from token_mean._counts import count_valid_labels
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._filler import filler_batch
@@ -177,6 +179,8 @@ class TokenMeanAccumulator:
         if layout.world.distributed:
             destroy_process_group_at_exit()
         self._monitor = monitor
+        if monitor is not None:  # the audit counts as the accumulator does
+            monitor.auditing.attach(model, self._settings.count_fn, loss_reduction, aux=mode_name == "lookahead")
         self._in_flight: _InFlight | None = None
         self._iterating = False
         self._passes = 0
@@ -242,6 +246,8 @@ class TokenMeanAccumulator:
                 step = f"optimizer step {self._windows} (pass {self._passes}"  # 0-based, as traces
                 filler = self._mode.begin(position, last, self._accumulate, step)
                 self._in_flight = _InFlight(position, last, filler, move(item[0]))
+                if self._monitor is not None:
+                    self._monitor.auditing.micro_batch(self._model, self._in_flight.batch, filler)
                 with filler_batch(filler):
                     yield self._in_flight.batch
         finally:
@@ -298,10 +304,9 @@ class TokenMeanAccumulator:
         assert ended is not None  # the window's last backward ran
         flight.finished = True
         self._windows += 1
-        self._last_window = ended.stats
-        if self._monitor is not None:
-            self._monitor.finished(self._model, ended.stats)
-        return ended.stats
+        stats = ended.stats if self._monitor is None else self._monitor.finished(self._model, ended.stats)
+        self._last_window = stats
+        return stats
 
     def state_dict(self) -> dict[str, Any]:
         """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
@@ -336,9 +341,19 @@ class FabricMonitor:
     ``logging_interval`` windows; ``grad_norm`` is taken in ``finish()`` (before clipping), ``param_norm`` after the
     optimizer step (when the loop asks for the next batch).
 
+    With ``audit_every``, ``finish()`` audits the first window and every N-th after it (``docs/audit.md``) and puts
+    the figure on its ``WindowStats.audit_error``. A loop without the accumulator (LitGPT's ``fabric.backward(loss
+    / K)``) is audited by calling :meth:`micro_batch` before each micro-batch's forward and :meth:`audit` after
+    the window's last backward, before clipping and the step.
+
     Args:
         logging_interval: log every this many windows.
         prefix, record, reference, rtol, atol, on_divergence: as for :class:`~token_mean.DenominatorMonitor`.
+        audit_every, on_audit_failure, audit_tolerance: as for :class:`~token_mean.DenominatorMonitor`.
+        audit_loss: ``fn(model, batch) -> loss``, the micro-batch's loss exactly as the loop computes it, on the
+            unwrapped module (the audit replays it; required with ``audit_every``).
+        count_fn, loss_reduction: the audit's count and what ``audit_loss`` returns, in a loop without the
+            accumulator (with one, the accumulator's).
     """
 
     def __init__(
@@ -350,10 +365,18 @@ class FabricMonitor:
         rtol: float = 1e-4,
         atol: float = 1e-6,
         on_divergence: OnDivergence = "warn",
+        audit_every: int | None = None,
+        audit_loss: Callable[[Any, Any], Any] | None = None,
+        on_audit_failure: OnAuditFailure = "warn",
+        audit_tolerance: float | None = None,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
     ) -> None:
         settings = MonitorSettings.checked(
             logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)"
         )
+        schedule = AuditSchedule(audit_every, on_audit_failure, audit_tolerance)
+        self.auditing = FabricAuditing(schedule, audit_loss, count_fn or count_valid_labels, loss_reduction)
         self._interval = logging_interval
         self._observer = Observer(settings)
         self._fabric: Any = None
@@ -375,10 +398,27 @@ class FabricMonitor:
             self._started = True
         self._started_at = time.perf_counter()
 
-    def finished(self, model: Any, stats: WindowStats) -> None:
-        """A window ended (``accumulator.finish()``): its gradient norm now, before clipping."""
+    @property
+    def audits(self) -> list[Audit]:
+        """Every audited window so far, in order."""
+        return self.auditing.auditor.audits
+
+    def micro_batch(self, model: Any, batch: Any) -> None:
+        """In a loop without the accumulator: a micro-batch's forward is about to run."""
+        self.auditing.micro_batch(model, batch)
+
+    def audit(self, model: Any) -> Audit | None:
+        """In a loop without the accumulator: the window's last backward is done; its audit (None if not audited)."""
+        return self.auditing.audit(model)
+
+    def finished(self, model: Any, stats: WindowStats) -> WindowStats:
+        """A window ended (``accumulator.finish()``): its audit and gradient norm now, before clipping."""
+        audit = self.auditing.audit(model, _ACCUMULATED_UNSEEN)
+        if audit is not None:
+            stats = replace(stats, audit_error=audit.error)
         gradient = grad_norm(model, self._fabric.device) if self._observer.fingerprints else None
         self._pending = (stats, time.perf_counter() - self._started_at, gradient)
+        return stats
 
     def stepped(self, model: Any) -> None:
         """The loop came back for a batch after a finished window: its update is done."""
@@ -388,8 +428,10 @@ class FabricMonitor:
         param_norm = None
         if self._observer.fingerprints:
             param_norm = global_norm([p.detach() for p in model.parameters()], self._fabric.device)
-        metrics, divergent = self._observer.window(self._step, stats, elapsed, (gradient, param_norm))
-        if ((self._step + 1) % self._interval == 0 or divergent) and self._fabric.global_rank == 0:
+        metrics, divergent = self._observer.window(self._step, stats, elapsed, (gradient, param_norm),
+                                                   audit_error=stats.audit_error)
+        log_now = (self._step + 1) % self._interval == 0 or divergent or stats.audit_error is not None
+        if log_now and self._fabric.global_rank == 0:
             self._fabric.log_dict(metrics, step=self._step)
         self._step += 1
         self._started_at = time.perf_counter()
@@ -398,6 +440,11 @@ class FabricMonitor:
         """Close the trace file (at the end of training)."""
         self._observer.close()
 
+
+_ACCUMULATED_UNSEEN = (
+    "gradient hooks on parameters or modules; an `audit_loss` that is not the loss passed to `accumulator.backward`;"
+    " parameters DDP does not reduce; anything the loop does to `.grad` between the backward and `finish()`"
+)
 
 SyncFlags = Callable[[], Sequence[bool]]
 """The gradient-sync flags the next backward will use, read on the host (none: nothing reduces)."""
