@@ -1051,3 +1051,73 @@ def test_k_changed_by_a_callback(tmp_path: Path, mode: str, before: int, at: int
         assert_misses(params, expected)
     else:
         assert_exact(params, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a loader whose __len__ understates what it yields (a token-budget sampler with an estimated length)
+#
+# Lightning sizes the epoch by `len()` and stops there: plain DDP silently trains 10 of the 12 batches each rank's
+# loader yields. The strategy reads one batch past the epoch's end at its last window (a loader known to yield fresh
+# memory only) and every rank raises before that window's update.
+# ---------------------------------------------------------------------------------------------------------------
+
+ESTIMATED, HOLDS = 10, 12
+
+
+class EstimatedLength(torch.utils.data.Sampler[int]):
+    """Yields every index of its dataset; its `__len__` is an estimate, two short."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.size)
+
+    def __len__(self) -> int:
+        return self.size - (HOLDS - ESTIMATED)
+
+
+class EstimatedLengthModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        dataset = ListDataset(self.data[self.global_rank])
+        return DataLoader(dataset, batch_size=None, sampler=EstimatedLength(len(dataset)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_len_understates_the_loader(tmp_path: Path, mode: str) -> None:
+    data = ragged(2, HOLDS, seed=221)
+    module, strategy = EstimatedLengthModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT)
+    if mode == "plain":  # the control: it trains the first 10 batches only, and misses the run over all 12
+        params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=3)
+        expected, _ = reference_steps(lightning_steps(data, 3))
+        assert summary_of(tmp_path)["global_step"] == 4
+        assert_misses(params, expected)
+        return
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(module, strategy, tmp_path,
+                                                                  accumulate_grad_batches=3))
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
+    assert "optimizer step 4 (epoch 0, batches 9..9)" in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `limit_train_batches` as a fraction with uneven ranks: Lightning limits each rank to int(frac * its own length)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_limit_train_batches_fraction_with_uneven_ranks(tmp_path: Path, mode: str) -> None:
+    """Ranks of 8 and 4 batches, `limit_train_batches=0.5`: rank 0 trains 4, rank 1 its first 2 and then repeats a
+    filler. (Plain DDP cannot run it: its ranks would step different numbers of times.)"""
+    data = ragged(2, 8, seed=231)
+    data[1] = data[1][:4]
+    params, windows = fit(TokenModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                          accumulate_grad_batches=2, limit_train_batches=0.5)
+    expected, counts = reference_steps(lightning_steps([data[0][:4], data[1][:2]], 2))
+    assert [window["global_count"] for window in windows] == counts
+    assert_exact(params, expected)
+    # the control: training rank 1's batches 2 and 3 as well (what the limit excludes) is measurably another run
+    unlimited, _ = reference_steps(lightning_steps([data[0][:4], data[1][:4]], 2))
+    assert_misses(unlimited, expected)

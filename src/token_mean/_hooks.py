@@ -61,6 +61,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._ended: WindowResult | None = None  # the window whose last backward ran, until its optimizer step
         self._last_window: WindowStats | None = None
         self._resume: dict[str, Any] = {}  # this rank's loader position from a mid-epoch checkpoint
+        self._epoch: tuple[int | None, int | None] = (None, None)  # the agreed length, this rank's own limit
         self._track_rank_counts = False
 
     @property
@@ -140,12 +141,18 @@ class TokenMeanStrategy(ParallelStrategy):
         if length_is_a_hint(loaders):
             local_length = None
         length = agree_on_length(self._mode.channel, local_length, self._settings.pad_uneven_ranks)
-        _lightning.resize_epoch(self._trainer(), length)
+        trainer = self._trainer()
+        # `limit_train_batches` limits each rank to its own share (a fraction of its own length): past it, fillers
+        limited = trainer.limit_train_batches != 1.0 and local_length is not None
+        self._epoch = (length, local_length if limited else None)
+        _lightning.resize_epoch(trainer, length)
 
     def _on_epoch(self, reader: Reader) -> None:
         """The fit loop starts a pass over the training batches (a new epoch, or a resumed one)."""
         assert self._mode is not None  # read_through is installed after the mode exists
-        reader.start_epoch(_lightning.epoch_length(self._trainer()), bool(self._resume.pop("exhausted", False)))
+        # the length agreed when the loaders were set up (a callback may have resized Lightning's epoch since)
+        length, limit = self._epoch
+        reader.start_epoch(length, bool(self._resume.pop("exhausted", False)), limit)
         self._reader = reader
         self._mode.start_epoch(reader)
 

@@ -32,15 +32,6 @@ def steps_after_this_batch(trainer: pl.Trainer) -> bool:
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
-def epoch_length(trainer: pl.Trainer) -> int | None:
-    """The training epoch's length in batches as the fit loop sized it (None: unsized).
-
-    Relies on: ``FitLoop.max_batches`` is ``inf`` for an unsized loader, set by ``setup_data`` before ``iter()``.
-    """
-    length = trainer.fit_loop.max_batches
-    return None if length == float("inf") else int(length)
-
-
 def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether Lightning logs the step metrics of the batch being trained (in ``on_train_batch_end``).
 
@@ -247,7 +238,6 @@ def fabric_strategy_of(model: Any) -> Any:
 __all__ = [
     "batch_position",
     "checkpoint_loader_states",
-    "epoch_length",
     "epoch_position",
     "fabric_host_batches",
     "fabric_modules",

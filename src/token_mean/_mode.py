@@ -195,6 +195,9 @@ class WindowMode(ABC):
         for check in self._checks:
             for problem, detail in check():
                 window.flag(problem, detail)
+        reader = self.reader
+        if reader.sized and window.start + window.length >= reader.length and reader.yields_past_end():
+            window.flag(Problem.LONGER_THAN_LEN, f"its loader yielded a batch past the epoch's {reader.length}")
         return window.close(values)
 
     def _count_received(self, window: Window, batch: Any, output: StepOutput, use_num_items: bool) -> Tensor:
