@@ -1121,3 +1121,51 @@ def test_limit_train_batches_fraction_with_uneven_ranks(tmp_path: Path, mode: st
     # the control: training rank 1's batches 2 and 3 as well (what the limit excludes) is measurably another run
     unlimited, _ = reference_steps(lightning_steps([data[0][:4], data[1][:4]], 2))
     assert_misses(unlimited, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# StochasticWeightAveraging with a BatchNorm model
+#
+# Lightning adds an epoch that copies the average into the model, resets the BatchNorm statistics and runs forward
+# passes only (`fit_loop._skip_backward`), with K = the epoch's length + 1: no backward, but the optimizer still steps
+# at the epoch's last batch, re-applying the gradient the last window left. The strategy runs that epoch as plain DDP
+# does. On micro-batches of equal counts plain DDP's mean of means is the token mean, so plain DDP is the reference.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class NormedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.hidden = torch.nn.Linear(FEATURES, 6, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(6, dtype=torch.float64)
+        self.out = torch.nn.Linear(6, CLASSES, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.hidden(x)
+        return self.out(torch.tanh(self.norm(hidden.flatten(0, 1)).view_as(hidden)))
+
+
+class NormedModule(TokenModule):
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__(data)
+        self.net = NormedNet()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_swa_with_batch_norm_runs_its_batch_norm_epoch_as_plain_ddp(tmp_path: Path, mode: str) -> None:
+    from _harness import sft_batches
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    data = sft_batches("uniform", 2, 4, seed=241)
+    runs = {}
+    for method in ("plain", mode):
+        swa = StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1)
+        runs[method], _ = fit(NormedModule(data), strategy_for(method, timeout=SHORT_TIMEOUT), tmp_path / method,
+                              accumulate_grad_batches=2, max_epochs=2, callbacks=[swa])
+    assert summary_of(tmp_path / mode)["global_step"] == summary_of(tmp_path / "plain")["global_step"] == 5
+    assert set(runs[mode]) == set(runs["plain"]) and "norm.running_mean" in runs["plain"]
+    assert runs[mode]["norm.num_batches_tracked"] == runs["plain"]["norm.num_batches_tracked"]
+    floats = {name: value for name, value in runs["plain"].items() if value.is_floating_point()}
+    assert_exact(runs[mode], floats)

@@ -156,9 +156,17 @@ class TokenMeanStrategy(ParallelStrategy):
         self._reader = reader
         self._mode.start_epoch(reader)
 
+    def _normalizing(self) -> WindowMode | None:
+        """The mode, while the fit loop back-propagates: an epoch of forward passes only (``StochasticWeightAveraging``
+        recomputing BatchNorm statistics) has no window to normalize, and its step re-applies the gradient already
+        there, as under plain DDP."""
+        if self._mode is None or _lightning.skips_backward(self._trainer()):
+            return None
+        return self._mode
+
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        mode = self._mode
+        mode = self._normalizing()
         if mode is None:
             return super().training_step(*args, **kwargs)
         trainer = self._trainer()
@@ -197,7 +205,7 @@ class TokenMeanStrategy(ParallelStrategy):
         model: pl.LightningModule | Module | None = None,
         **kwargs: Any,
     ) -> Any:
-        if self._mode is None:
+        if self._normalizing() is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The window's last micro-batch first: its backward ends the window, so an empty window skips the update
         # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.

@@ -32,6 +32,15 @@ def steps_after_this_batch(trainer: pl.Trainer) -> bool:
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
+def skips_backward(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop runs forward passes only this epoch (``StochasticWeightAveraging``'s BatchNorm epoch).
+
+    Relies on: ``FitLoop._skip_backward`` (``_AutomaticOptimization._skip_backward``): the closure then runs
+    ``training_step`` without zeroing or back-propagating, and the optimizer still steps at the epoch's last batch.
+    """
+    return bool(trainer.fit_loop._skip_backward)
+
+
 def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether Lightning logs the step metrics of the batch being trained (in ``on_train_batch_end``).
 
@@ -249,6 +258,7 @@ __all__ = [
     "set_epoch_length",
     "set_loader_states_to_load",
     "should_update_logs",
+    "skips_backward",
     "steps_after_this_batch",
     "uses_dataloader_iter",
 ]
