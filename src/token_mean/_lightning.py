@@ -41,6 +41,19 @@ def skips_backward(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._skip_backward)
 
 
+def join_batch_starts(trainer: pl.Trainer, count: int) -> None:
+    """Take part in ``count`` of Lightning's batch starts on the other ranks, for a rank whose epoch already ended.
+
+    Relies on: ``_TrainingEpochLoop.advance`` broadcasts the SIGTERM flag from rank 0 at the start of every batch
+    (``_broadcast_sigterm_tensor``: a one-element int64 tensor on the root device) when more than one rank runs.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(count):
+        dist.broadcast(torch.zeros(1, dtype=torch.int64, device=trainer.strategy.root_device), src=0)
+
+
 def should_update_logs(trainer: pl.Trainer) -> bool:
     """Whether Lightning logs the step metrics of the batch being trained (in ``on_train_batch_end``).
 
@@ -252,6 +265,7 @@ __all__ = [
     "fabric_modules",
     "fabric_strategy_of",
     "has_loader_states_to_load",
+    "join_batch_starts",
     "read_through",
     "replace_checkpoint_loader_states",
     "resize_epoch",

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from token_mean import _lightning
+from token_mean import _lightning, _torch
 from token_mean._core import Layout
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._hooks import TokenMeanStrategy
@@ -114,7 +114,8 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
         assert isinstance(model, DistributedDataParallel)  # `fit` wraps the model before `setup` asks
         # every rank holds its own batch: all of them share the denominator, over the default process group
         world = World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
-        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model))
+        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
+                      lambda: _torch.rebuild_ddp_buckets(model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
