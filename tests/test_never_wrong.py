@@ -1169,3 +1169,58 @@ def test_swa_with_batch_norm_runs_its_batch_norm_epoch_as_plain_ddp(tmp_path: Pa
     assert runs[mode]["norm.num_batches_tracked"] == runs["plain"]["norm.num_batches_tracked"]
     floats = {name: value for name, value in runs["plain"].items() if value.is_floating_point()}
     assert_exact(runs[mode], floats)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GradientAccumulationScheduler and a mid-epoch resume
+#
+# Lightning skips `on_train_epoch_start` on a mid-epoch restart, so the scheduler does not set the resumed epoch's K:
+# the rest of it runs with K = 1 (plain Lightning too). The strategy knows the K it saved and warns on rank 0.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class WarningsRecorder(Callback):
+    """Rank 0 writes every warning raised from `setup` to `on_train_end` (``warnings.json``)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self._caught: list[warnings.WarningMessage] = []
+
+    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        self._catcher = warnings.catch_warnings(record=True)
+        self._caught = self._catcher.__enter__()
+        warnings.simplefilter("always")
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._catcher.__exit__(None, None, None)
+        if trainer.global_rank == 0:
+            (self.out / "warnings.json").write_text(json.dumps([str(w.message) for w in self._caught]))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scheduled", [True, False], ids=["scheduler", "constant-k"])
+def test_mid_epoch_resume_with_a_k_schedule_warns(tmp_path: Path, mode: str, scheduled: bool) -> None:
+    """K = 2 in epoch 0 and 3 in epoch 1 (6 batches each); resumed after step 4 (batch 2 of epoch 1). The control: K
+    = 2 throughout, resumed at the same step, warns nothing and matches the uninterrupted run."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    data = ragged(2, 6, seed=251)
+    runs = {}
+    for run in ("full", "resumed"):
+        kwargs: dict[str, Any] = {"accumulate": 1, "callbacks": [GradientAccumulationScheduler({0: 2, 1: 3})]}
+        if not scheduled:
+            kwargs = {"accumulate": 2, "callbacks": []}
+        kwargs["callbacks"].append(WarningsRecorder(tmp_path / run))
+        ckpt_path = checkpoint_at(tmp_path / "full", 4) if run == "resumed" else None
+        runs[run] = fit_checkpointed(ResumableModule(data, True), mode, tmp_path / run, ckpt_path=ckpt_path, **kwargs)
+    caught = [w for w in json.loads((tmp_path / "resumed" / "warnings.json").read_text()) if "token_mean" in w]
+    if not scheduled:
+        assert caught == []
+        assert_exact(runs["resumed"], runs["full"])
+        return
+    (message,) = caught
+    assert "`accumulate_grad_batches` = 1, but the checkpoint was written with 3" in message, message
+    assert "skips `on_train_epoch_start` on a mid-epoch restart" in message, message
+    assert_misses(runs["resumed"], runs["full"])  # what the warning is about

@@ -174,7 +174,7 @@ class TokenMeanStrategy(ParallelStrategy):
             return super().training_step(*args, **kwargs)
         trainer = self._trainer()
         position, last = _lightning.batch_position(trainer)
-        self._epoch.trained = position
+        self._epoch.train(position, trainer.accumulate_grad_batches)
         filler = mode.begin(position, last, trainer.accumulate_grad_batches, _step_name(trainer))
         with filler_batch(filler):
             output = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
@@ -224,13 +224,13 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        checkpoint[CHECKPOINT_KEY] = _state(self._mode, self._reader, self.world_size, self._distributed())
+        checkpoint[CHECKPOINT_KEY] = _state(self._mode, self._reader, self._trainer(), self._distributed())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
-        own = _restore(checkpoint.get(CHECKPOINT_KEY), self._mode, self.world_size, self.global_rank,
+        own = _restore(checkpoint.get(CHECKPOINT_KEY), self._mode, self._epoch, self.world_size, self.global_rank,
                        has_loader_states)
         if own is None:
             return None
@@ -248,6 +248,7 @@ class _Epoch:
         self.started: int | None = None
         self.trained: int | None = None
         self.catch_up: Callable[[], None] = lambda: None  # what the others' next forward runs (the layout's)
+        self.saved_accumulate: int | None = None  # K in the checkpoint being resumed, until the first batch
 
     def size(self, trainer: pl.Trainer, mode: WindowMode, loaders: list[Any], local: int | None, pad: bool) -> None:
         if length_is_a_hint(loaders):
@@ -256,6 +257,23 @@ class _Epoch:
         # `limit_train_batches` limits each rank to its own share (a fraction of its own length): past it, fillers
         self.limit = local if trainer.limit_train_batches != 1.0 else None
         _lightning.resize_epoch(trainer, self.length)
+
+    def train(self, position: int, accumulate: int) -> None:
+        """Batch ``position`` is trained with K = ``accumulate``; the first after a resume is checked against the
+        K the checkpoint was written with."""
+        self.trained = position
+        saved, self.saved_accumulate = self.saved_accumulate, None
+        if saved is not None and position > 0 and saved != accumulate:
+            from lightning.fabric.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"token_mean: this run resumed in the middle of an epoch (at batch {position}) with"
+                f" `accumulate_grad_batches` = {accumulate}, but the checkpoint was written with {saved}. Lightning"
+                " skips `on_train_epoch_start` on a mid-epoch restart, so a `GradientAccumulationScheduler` (or a"
+                " callback that sets K there) has not set this epoch's K: the rest of the epoch trains windows of"
+                f" {accumulate} micro-batches (plain Lightning does the same), exact for those windows but not the"
+                " uninterrupted run. Resume from a checkpoint written at the end of an epoch to keep the schedule."
+            )
 
     def leave_if_left(self, trainer: pl.Trainer, mode: WindowMode, distributed: bool) -> None:
         """This rank's epoch ended at a batch it did not train: meet the others where they are (the batch starts
@@ -281,23 +299,26 @@ def _window_ended(ended: WindowResult | None) -> WindowResult:
     return ended
 
 
-def _state(mode: WindowMode | None, reader: Reader | None, world_size: int, distributed: bool) -> dict[str, Any]:
-    """What a checkpoint keeps of the strategy: the mode's counters and, for stateful loaders, every rank's
-    position (an all-gather)."""
+def _state(mode: WindowMode | None, reader: Reader | None, trainer: pl.Trainer, distributed: bool) -> dict[str, Any]:
+    """What a checkpoint keeps of the strategy: the mode's counters, the K in force and, for stateful loaders, every
+    rank's position (an all-gather)."""
     state: dict[str, Any] = {} if mode is None else mode.state_dict()
+    state["accumulate"] = trainer.accumulate_grad_batches
     if reader is not None and reader.stateful:
-        state["loader_ranks"] = every_rank(reader, world_size, distributed)
+        state["loader_ranks"] = every_rank(reader, trainer.world_size, distributed)
     return state
 
 
 def _restore(
-    state: Mapping[str, Any] | None, mode: WindowMode | None, world_size: int, rank: int, has_loader_states: bool
+    state: Mapping[str, Any] | None, mode: WindowMode | None, epoch: _Epoch, world_size: int, rank: int,
+    has_loader_states: bool,
 ) -> RankPosition | None:
     """Restore the mode's counters from a checkpoint's ``state``; this rank's saved position, if it holds one."""
     if state is None:
         return None
     if mode is not None:
         mode.load_state_dict(state)
+    epoch.saved_accumulate = state.get("accumulate")
     return this_rank(state, world_size, rank) if has_loader_states else None
 
 
