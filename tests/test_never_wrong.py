@@ -633,10 +633,12 @@ def test_train_dataloader_is_the_users_dataloader(tmp_path: Path, mode: str, loa
 
 
 class CatchWarnings(Callback):
-    """Rank 0 writes the warnings raised between `setup` and `on_train_start`, where Lightning checks the loaders."""
+    """Rank 0 writes the warnings raised between `setup` and `on_train_start`, where Lightning checks the loaders
+    (`until_end`: and `on_train_end`)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, until_end: bool = False) -> None:
         self.out = out
+        self.until_end = until_end
         self._catcher: Any = None
         self._caught: list[warnings.WarningMessage] = []
 
@@ -646,6 +648,14 @@ class CatchWarnings(Callback):
         warnings.simplefilter("always")  # also what pyproject's filterwarnings ignores
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.until_end:
+            self._write(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.until_end:
+            self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
         self._catcher.__exit__(None, None, None)
         if trainer.global_rank == 0:
             (self.out / "warnings.json").write_text(json.dumps([str(w.message) for w in self._caught]))
@@ -1179,24 +1189,6 @@ def test_swa_with_batch_norm_runs_its_batch_norm_epoch_as_plain_ddp(tmp_path: Pa
 # ---------------------------------------------------------------------------------------------------------------
 
 
-class WarningsRecorder(Callback):
-    """Rank 0 writes every warning raised from `setup` to `on_train_end` (``warnings.json``)."""
-
-    def __init__(self, out: Path) -> None:
-        self.out = out
-        self._caught: list[warnings.WarningMessage] = []
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        self._catcher = warnings.catch_warnings(record=True)
-        self._caught = self._catcher.__enter__()
-        warnings.simplefilter("always")
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._catcher.__exit__(None, None, None)
-        if trainer.global_rank == 0:
-            (self.out / "warnings.json").write_text(json.dumps([str(w.message) for w in self._caught]))
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("mode", MODES)
@@ -1212,7 +1204,7 @@ def test_mid_epoch_resume_with_a_k_schedule_warns(tmp_path: Path, mode: str, sch
         kwargs: dict[str, Any] = {"accumulate": 1, "callbacks": [GradientAccumulationScheduler({0: 2, 1: 3})]}
         if not scheduled:
             kwargs = {"accumulate": 2, "callbacks": []}
-        kwargs["callbacks"].append(WarningsRecorder(tmp_path / run))
+        kwargs["callbacks"].append(CatchWarnings(tmp_path / run, until_end=True))
         ckpt_path = checkpoint_at(tmp_path / "full", 4) if run == "resumed" else None
         runs[run] = fit_checkpointed(ResumableModule(data, True), mode, tmp_path / run, ckpt_path=ckpt_path, **kwargs)
     caught = [w for w in json.loads((tmp_path / "resumed" / "warnings.json").read_text()) if "token_mean" in w]

@@ -27,8 +27,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     .. math:: g = \frac{1}{N} \sum_{r, j} \sum_{i \in \text{valid}(r, j)} \nabla \ell_i, \qquad N = \sum_{r, j} n_{r, j}
 
     over all ranks r and micro-batches j of the window, the gradient of the unpartitioned run. Empty micro-batches
-    and empty ranks contribute zero (never 0/0) and still take part in every collective; a window with N = 0 on all
-    ranks changes neither the parameters nor the optimizer state.
+    and ranks with no valid items contribute zero (never 0/0) and still take part in every collective (a rank with
+    no batch at all is refused); a window with N = 0 on all ranks changes neither the parameters nor the optimizer
+    state.
 
     The count is whatever the objective averages over: valid target tokens (the default, ``labels != -100``),
     examples (``count_fn=token_mean.count_examples``) or a sum of sample weights (a float). Choosing it is choosing
