@@ -1216,3 +1216,47 @@ def test_mid_epoch_resume_with_a_k_schedule_warns(tmp_path: Path, mode: str, sch
     assert "`accumulate_grad_batches` = 1, but the checkpoint was written with 3" in message, message
     assert "skips `on_train_epoch_start` on a mid-epoch restart" in message, message
     assert_misses(runs["resumed"], runs["full"])  # what the warning is about
+
+
+def _estimated_length_loop(fabric: Any, data: list[list[Batch]], mode: str) -> int:
+    """The accumulator's loop over a Fabric loader whose sampler's `__len__` is two short; the batches it trained."""
+    from _fabric import setup, shifted_loss
+
+    from token_mean import count_shifted_labels
+    from token_mean.fabric import TokenMeanAccumulator
+
+    model, optimizer = setup(fabric)
+    dataset = ListDataset(data[fabric.global_rank])
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=None, sampler=EstimatedLength(len(dataset))),
+                                      use_distributed_sampler=False)
+    if mode == "plain":  # a plain loop iterates the loader itself
+        return sum(1 for _ in loader)
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=3, mode=mode, count_fn=count_shifted_labels)
+    trained = 0
+    for batch in accumulator.batches(loader):
+        with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
+            accumulator.backward(shifted_loss(model, batch))
+        trained += 1
+        if not accumulator.accumulating:
+            accumulator.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+    return trained
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_len_understates_the_loader_under_fabric(tmp_path: Path, mode: str) -> None:
+    """The same loader under Fabric: a plain loop iterates all 12 batches (Python does not trust `len()`); the
+    accumulator, whose pass is sized by `len()`, raises on every rank at the pass's last window instead of silently
+    training 10."""
+    from _fabric import fabric_for, launched
+    from test_fabric_guarantees import every_rank_raises
+
+    data = ragged(2, HOLDS, seed=222)
+    if mode == "plain":
+        assert launched(fabric_for("ddp"), _estimated_length_loop, data, mode) == HOLDS
+        return
+    errors = every_rank_raises(fabric_for("ddp"), tmp_path, _estimated_length_loop, data, mode)
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
