@@ -52,7 +52,7 @@ class Layout:
     gradients: Callable[[], GradientPath]
     checks: Sequence[WindowCheck] = ()
     on_out_of_step: Callable[[Reduced], None] | None = None
-    catch_up: Callable[[], None] = lambda: None
+    catch_up: Callable[[], None] | None = None
 
 
 def make_mode(mode: Mode, layout: Layout, settings: Settings, rank_counts: bool) -> WindowMode:

@@ -247,7 +247,7 @@ class _Epoch:
         self.limit: int | None = None
         self.started: int | None = None
         self.trained: int | None = None
-        self.catch_up: Callable[[], None] = lambda: None  # what the others' next forward runs (the layout's)
+        self.catch_up: Callable[[], None] | None = None  # what the others' next forward runs (the layout's)
         self.saved_accumulate: int | None = None  # K in the checkpoint being resumed, until the first batch
 
     def size(self, trainer: pl.Trainer, mode: WindowMode, loaders: list[Any], local: int | None, pad: bool) -> None:
@@ -285,7 +285,8 @@ class _Epoch:
             return
         starts = mode.batch_starts_before_exchange(started, trainer.accumulate_grad_batches)
         if starts is not None:  # the others train batch `started`, then start `starts` more before the exchange
-            self.catch_up()
+            if self.catch_up is not None:
+                self.catch_up()
             _lightning.join_batch_starts(trainer, starts)
         mode.leave(started)
 
