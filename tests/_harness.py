@@ -331,6 +331,7 @@ def reference_steps(
     skipped: Container[int] = (),
     loss_sum: Callable[[nn.Module, Batch], Tensor] = lambda net, batch: token_loss(net, batch, "sum"),
     count: Callable[[Batch], int] = lambda batch: int((batch["labels"] != IGNORE_INDEX).sum()),
+    make_net: Callable[[], nn.Module] = TokenNet,
 ) -> tuple[dict[str, Tensor], list[float]]:
     """The unpartitioned objective in float64: per optimizer step, the mean loss over every valid token of the
     step's micro-batches (all ranks): Σ ``loss_sum`` / Σ ``count``. A step with N = 0, or whose index is in
@@ -338,7 +339,7 @@ def reference_steps(
 
     Returns the final parameters and each step's global count N.
     """
-    net = TokenNet()
+    net = make_net()  # a TokenNet, or a subclass with its own forward
     net.load_state_dict(initial_state())
     optimizer = make_optimizer(net.parameters(), lr, momentum)
     counts: list[float] = []

@@ -633,10 +633,12 @@ def test_train_dataloader_is_the_users_dataloader(tmp_path: Path, mode: str, loa
 
 
 class CatchWarnings(Callback):
-    """Rank 0 writes the warnings raised between `setup` and `on_train_start`, where Lightning checks the loaders."""
+    """Rank 0 writes the warnings raised between `setup` and `on_train_start`, where Lightning checks the loaders
+    (`until_end`: and `on_train_end`)."""
 
-    def __init__(self, out: Path) -> None:
+    def __init__(self, out: Path, until_end: bool = False) -> None:
         self.out = out
+        self.until_end = until_end
         self._catcher: Any = None
         self._caught: list[warnings.WarningMessage] = []
 
@@ -646,6 +648,14 @@ class CatchWarnings(Callback):
         warnings.simplefilter("always")  # also what pyproject's filterwarnings ignores
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if not self.until_end:
+            self._write(trainer)
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self.until_end:
+            self._write(trainer)
+
+    def _write(self, trainer: pl.Trainer) -> None:
         self._catcher.__exit__(None, None, None)
         if trainer.global_rank == 0:
             (self.out / "warnings.json").write_text(json.dumps([str(w.message) for w in self._caught]))
@@ -1051,3 +1061,202 @@ def test_k_changed_by_a_callback(tmp_path: Path, mode: str, before: int, at: int
         assert_misses(params, expected)
     else:
         assert_exact(params, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a loader whose __len__ understates what it yields (a token-budget sampler with an estimated length)
+#
+# Lightning sizes the epoch by `len()` and stops there: plain DDP silently trains 10 of the 12 batches each rank's
+# loader yields. The strategy reads one batch past the epoch's end at its last window (a loader known to yield fresh
+# memory only) and every rank raises before that window's update.
+# ---------------------------------------------------------------------------------------------------------------
+
+ESTIMATED, HOLDS = 10, 12
+
+
+class EstimatedLength(torch.utils.data.Sampler[int]):
+    """Yields every index of its dataset; its `__len__` is an estimate, two short."""
+
+    def __init__(self, size: int) -> None:
+        self.size = size
+
+    def __iter__(self) -> Iterator[int]:
+        yield from range(self.size)
+
+    def __len__(self) -> int:
+        return self.size - (HOLDS - ESTIMATED)
+
+
+class EstimatedLengthModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        dataset = ListDataset(self.data[self.global_rank])
+        return DataLoader(dataset, batch_size=None, sampler=EstimatedLength(len(dataset)))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_len_understates_the_loader(tmp_path: Path, mode: str) -> None:
+    data = ragged(2, HOLDS, seed=221)
+    module, strategy = EstimatedLengthModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT)
+    if mode == "plain":  # the control: it trains the first 10 batches only, and misses the run over all 12
+        params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=3)
+        expected, _ = reference_steps(lightning_steps(data, 3))
+        assert summary_of(tmp_path)["global_step"] == 4
+        assert_misses(params, expected)
+        return
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(module, strategy, tmp_path,
+                                                                  accumulate_grad_batches=3))
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
+    assert "optimizer step 4 (epoch 0, batches 9..9)" in errors[0], errors[0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `limit_train_batches` as a fraction with uneven ranks: Lightning limits each rank to int(frac * its own length)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_limit_train_batches_fraction_with_uneven_ranks(tmp_path: Path, mode: str) -> None:
+    """Ranks of 8 and 4 batches, `limit_train_batches=0.5`: rank 0 trains 4, rank 1 its first 2 and then repeats a
+    filler. (Plain DDP cannot run it: its ranks would step different numbers of times.)"""
+    data = ragged(2, 8, seed=231)
+    data[1] = data[1][:4]
+    params, windows = fit(TokenModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                          accumulate_grad_batches=2, limit_train_batches=0.5)
+    expected, counts = reference_steps(lightning_steps([data[0][:4], data[1][:2]], 2))
+    assert [window["global_count"] for window in windows] == counts
+    assert_exact(params, expected)
+    # the control: training rank 1's batches 2 and 3 as well (what the limit excludes) is measurably another run
+    unlimited, _ = reference_steps(lightning_steps([data[0][:4], data[1][:4]], 2))
+    assert_misses(unlimited, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# StochasticWeightAveraging with a BatchNorm model
+#
+# Lightning adds an epoch that copies the average into the model, resets the BatchNorm statistics and runs forward
+# passes only (`fit_loop._skip_backward`), with K = the epoch's length + 1: no backward, but the optimizer still steps
+# at the epoch's last batch, re-applying the gradient the last window left. The strategy runs that epoch as plain DDP
+# does. On micro-batches of equal counts plain DDP's mean of means is the token mean, so plain DDP is the reference.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class NormedNet(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(3)
+        self.hidden = torch.nn.Linear(FEATURES, 6, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(6, dtype=torch.float64)
+        self.out = torch.nn.Linear(6, CLASSES, dtype=torch.float64)
+
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = self.hidden(x)
+        return self.out(torch.tanh(self.norm(hidden.flatten(0, 1)).view_as(hidden)))
+
+
+class NormedModule(TokenModule):
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__(data)
+        self.net = NormedNet()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_swa_with_batch_norm_runs_its_batch_norm_epoch_as_plain_ddp(tmp_path: Path, mode: str) -> None:
+    from _harness import sft_batches
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    data = sft_batches("uniform", 2, 4, seed=241)
+    runs = {}
+    for method in ("plain", mode):
+        swa = StochasticWeightAveraging(swa_lrs=0.1, swa_epoch_start=1)
+        runs[method], _ = fit(NormedModule(data), strategy_for(method, timeout=SHORT_TIMEOUT), tmp_path / method,
+                              accumulate_grad_batches=2, max_epochs=2, callbacks=[swa])
+    assert summary_of(tmp_path / mode)["global_step"] == summary_of(tmp_path / "plain")["global_step"] == 5
+    assert set(runs[mode]) == set(runs["plain"]) and "norm.running_mean" in runs["plain"]
+    assert runs[mode]["norm.num_batches_tracked"] == runs["plain"]["norm.num_batches_tracked"]
+    floats = {name: value for name, value in runs["plain"].items() if value.is_floating_point()}
+    assert_exact(runs[mode], floats)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# GradientAccumulationScheduler and a mid-epoch resume
+#
+# Lightning skips `on_train_epoch_start` on a mid-epoch restart, so the scheduler does not set the resumed epoch's K:
+# the rest of it runs with K = 1 (plain Lightning too). The strategy knows the K it saved and warns on rank 0.
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("scheduled", [True, False], ids=["scheduler", "constant-k"])
+def test_mid_epoch_resume_with_a_k_schedule_warns(tmp_path: Path, mode: str, scheduled: bool) -> None:
+    """K = 2 in epoch 0 and 3 in epoch 1 (6 batches each); resumed after step 4 (batch 2 of epoch 1). The control: K
+    = 2 throughout, resumed at the same step, warns nothing and matches the uninterrupted run."""
+    from lightning.pytorch.callbacks import GradientAccumulationScheduler
+
+    data = ragged(2, 6, seed=251)
+    runs = {}
+    for run in ("full", "resumed"):
+        kwargs: dict[str, Any] = {"accumulate": 1, "callbacks": [GradientAccumulationScheduler({0: 2, 1: 3})]}
+        if not scheduled:
+            kwargs = {"accumulate": 2, "callbacks": []}
+        kwargs["callbacks"].append(CatchWarnings(tmp_path / run, until_end=True))
+        ckpt_path = checkpoint_at(tmp_path / "full", 4) if run == "resumed" else None
+        runs[run] = fit_checkpointed(ResumableModule(data, True), mode, tmp_path / run, ckpt_path=ckpt_path, **kwargs)
+    caught = [w for w in json.loads((tmp_path / "resumed" / "warnings.json").read_text()) if "token_mean" in w]
+    if not scheduled:
+        assert caught == []
+        assert_exact(runs["resumed"], runs["full"])
+        return
+    (message,) = caught
+    assert "`accumulate_grad_batches` = 1, but the checkpoint was written with 3" in message, message
+    assert "skips `on_train_epoch_start` on a mid-epoch restart" in message, message
+    assert_misses(runs["resumed"], runs["full"])  # what the warning is about
+
+
+def _estimated_length_loop(fabric: Any, data: list[list[Batch]], mode: str) -> int:
+    """The accumulator's loop over a Fabric loader whose sampler's `__len__` is two short; the batches it trained."""
+    from _fabric import setup, shifted_loss
+
+    from token_mean import count_shifted_labels
+    from token_mean.fabric import TokenMeanAccumulator
+
+    model, optimizer = setup(fabric)
+    dataset = ListDataset(data[fabric.global_rank])
+    loader = fabric.setup_dataloaders(DataLoader(dataset, batch_size=None, sampler=EstimatedLength(len(dataset))),
+                                      use_distributed_sampler=False)
+    if mode == "plain":  # a plain loop iterates the loader itself
+        return sum(1 for _ in loader)
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=3, mode=mode, count_fn=count_shifted_labels)
+    trained = 0
+    for batch in accumulator.batches(loader):
+        with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
+            accumulator.backward(shifted_loss(model, batch))
+        trained += 1
+        if not accumulator.accumulating:
+            accumulator.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+    return trained
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_len_understates_the_loader_under_fabric(tmp_path: Path, mode: str) -> None:
+    """The same loader under Fabric: a plain loop iterates all 12 batches (Python does not trust `len()`); the
+    accumulator, whose pass is sized by `len()`, raises on every rank at the pass's last window instead of silently
+    training 10."""
+    from _fabric import fabric_for, launched
+    from test_fabric_guarantees import every_rank_raises
+
+    data = ragged(2, HOLDS, seed=222)
+    if mode == "plain":
+        assert launched(fabric_for("ddp"), _estimated_length_loop, data, mode) == HOLDS
+        return
+    errors = every_rank_raises(fabric_for("ddp"), tmp_path, _estimated_length_loop, data, mode)
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]

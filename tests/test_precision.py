@@ -16,12 +16,16 @@ from _harness import (
     MODES,
     Batch,
     TokenModule,
+    TokenNet,
     constant,
     fit,
+    lightning_steps,
     make_batch,
     ragged_batches,
     reference,
+    reference_steps,
     relative_error,
+    strategy_for,
 )
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.plugins import MixedPrecision
@@ -155,3 +159,42 @@ def test_half_precision_is_stable_and_close(tmp_path: Path, mode: str, precision
     expected, _ = reference(data, constant(2))
     error = relative_error({k: v.double() for k, v in params.items()}, expected)
     assert error < TOLERANCE[precision], f"{precision}/{mode}: relative error {error:.2e}"
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a float64 model that rounds to float32 inside (as Hugging Face's RMSNorm normalizes in float32)
+#
+# Lookahead back-propagates each micro-batch at its final scale, so the float32 rounding in the backward falls on
+# the reference's very numbers; deferred back-propagates loss sums over a provisional D and corrects by D/N after the
+# backward, so its rounding falls elsewhere: it lands at float32 rounding (docs/modes.md says so).
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class RoundingNet(TokenNet):
+    def forward(self, x: Tensor) -> Tensor:
+        hidden = torch.tanh(self.hidden(x)).float()
+        normed = hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.out(normed.to(x.dtype))
+
+
+class RoundingModule(TokenModule):
+    def __init__(self, data: list[list[Batch]]) -> None:
+        super().__init__(data)
+        self.net = RoundingNet()
+        self.net.load_state_dict(HARNESS_INITIAL_STATE())
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_float32_rounding_inside_the_backward(tmp_path: Path, mode: str) -> None:
+    data = ragged_batches(2, 6, seed=261)
+    params, _ = fit(RoundingModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=3)
+    expected, _ = reference_steps(lightning_steps(data, 3), make_net=RoundingNet)
+    error = relative_error(params, expected)
+    print(f"float32 inside the backward, {mode}: relative parameter error {error:.3e}")
+    if mode == "lookahead":
+        assert error < EXACT, f"{error:.3e}"
+    elif mode == "deferred":
+        assert EXACT < error < 1e-6, f"{error:.3e}: not float32 rounding"
+    else:
+        assert error > 1e-3, f"plain DDP matched the reference ({error:.3e})"

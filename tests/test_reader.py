@@ -463,3 +463,43 @@ def test_adopted_items_come_before_the_loaders_own() -> None:
 
     assert [item for item, _ in out] == [*adopted, *loader.items]
     assert [entry.position for _, entry in out] == [0, 1, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a rank's own limit (Lightning's `limit_train_batches`), and a loader that yields past its sized end
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_a_rank_limited_below_the_epoch_repeats_a_filler_after_its_limit() -> None:
+    batches = real_batches(5)
+    loader = FakeLoader(batches)
+    reader = Reader(loader)
+    reader.start_epoch(4, limit=2)
+    entries = reader.entries(0, 4)
+    assert [entry.filler for entry in entries] == [False, False, True, True]
+    assert [reader.next_item()[0] for _ in range(4)] == [batches[0], batches[1], batches[1], batches[1]]
+    assert loader.reads == 2, "nothing past the limit is read"
+    assert not reader.yields_past_end(), "a limited epoch ends before the loader does"
+
+
+@pytest.mark.parametrize(("yielded", "more"), [(4, False), (6, True)])
+def test_yields_past_end_reads_one_batch_past_the_sized_epoch(yielded: int, more: bool) -> None:
+    loader = FakeLoader(real_batches(yielded))
+    reader = Reader(loader, snapshot=loader.state)
+    reader.start_epoch(4)
+    for _ in range(4):
+        reader.next_item()
+    state = reader.consumed_state()
+    assert reader.yields_past_end() is more
+    assert not reader.exhausted and not reader.consumed_exhausted, "the peek leaves the reader's state alone"
+    assert loader.reads == 4 + more and state == {"read": 4}
+
+
+def test_yields_past_end_never_reads_from_a_loader_that_refills_its_buffer() -> None:
+    loader = RefillingLoader(6)
+    reader = Reader(loader)
+    reader.start_epoch(4)
+    for _ in range(4):
+        reader.next_item()
+    assert not reader.yields_past_end()
+    assert loader.reads == 4, "a read would overwrite the batch in flight"

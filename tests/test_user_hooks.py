@@ -9,6 +9,7 @@ they would get wrong.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from typing import Any
 
@@ -206,34 +207,69 @@ def test_parameter_unfrozen_after_ddp_wrapped_the_model_drifts_under_plain_ddp(t
 # ---------------------------------------------------------------------------------------------------------------
 # one rank ends its epoch early: `on_train_batch_start` returns -1 on rank 0 only
 #
-# Lightning ends that rank's epoch, and every later collective of the two ranks is out of step. Where a collective of
-# the package meets another collective of the package (here: rank 0 starts its next epoch with the check that the
-# streams hold batches, while rank 1 ends the window it was in), both read the same record, which names where each
-# rank is. Rank 0 joins rank 1's last backward with zeros first, so that rank 1 reaches its record: every rank raises
-# at once. Anything else that meets a collective of Lightning's or DDP's waits for the process group's timeout.
+# Lightning ends that rank's epoch at a batch it does not train, while the other rank trains on. When the leaving
+# rank reaches its next epoch (or the end of training) it meets the others where they are: it takes part in the
+# batch starts Lightning still broadcasts in their window, then in their window's exchange with a record that says
+# its epoch ended, and joins their last backward with zeros, so that they read that record. Every rank raises the
+# same out-of-step error, long before the process group's timeout. Where every rank returns -1 at the same batch,
+# the run goes on, as under plain DDP (the partial window is dropped).
 # ---------------------------------------------------------------------------------------------------------------
 
 
 class LeavesEarly(TokenModule):
-    """Rank 0 ends epoch 0 at batch `LEAVE_AT` (the last of window [2, 3]), which it does not train."""
+    """Ranks `leavers` end epoch 0 at batch `at`, which they do not train."""
+
+    def __init__(self, data: list[list[Batch]], at: int, leavers: tuple[int, ...] = (0,), **kwargs: Any) -> None:
+        super().__init__(data, **kwargs)
+        self.at = at
+        self.leavers = leavers
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> int | None:
-        return -1 if self.global_rank == 0 and self.current_epoch == 0 and batch_idx == 3 else None
+        return -1 if self.global_rank in self.leavers and self.current_epoch == 0 and batch_idx == self.at else None
+
+
+LEAVES = [  # (batch rank 0 leaves at, K, epochs, a stream): the first, middle and last batch of a window, the
+    # epoch's first batch (the others count its first window in a collective of their own), the run's last epoch
+    pytest.param(3, 2, 2, True, id="last-of-a-window-stream"),
+    pytest.param(3, 3, 2, False, id="first-of-a-window"),
+    pytest.param(4, 3, 2, False, id="middle-of-a-window"),
+    pytest.param(0, 3, 2, False, id="first-of-the-epoch"),
+    pytest.param(4, 3, 1, False, id="middle-of-the-last-epoch"),
+]
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_a_rank_that_ends_its_epoch_early(tmp_path: Path, mode: str) -> None:
-    data = nonempty_data(6, seed=174)
-    module = LeavesEarly(data, iterable=True)
+@pytest.mark.parametrize(("at", "k", "epochs", "iterable"), LEAVES)
+def test_a_rank_that_ends_its_epoch_early(tmp_path: Path, mode: str, at: int, k: int, epochs: int,
+                                          iterable: bool) -> None:
+    data = nonempty_data(9, seed=174)
+    module = LeavesEarly(data, at, iterable=iterable)
+    began = time.monotonic()
     errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
-        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=2, max_epochs=2
+        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=k, max_epochs=epochs
     ))
+    elapsed = time.monotonic() - began
+    assert elapsed < SHORT_TIMEOUT.total_seconds() / 2, f"{elapsed:.1f} s: the ranks waited for the timeout"
     assert len(set(errors)) == 1, errors
     message = errors[0]
     assert message.startswith("DenominatorError: ") and "the ranks are out of step" in message, message
-    assert "rank 0 at the check, at the start of an epoch, that the ranks' streams hold batches" in message, message
-    assert "rank 1 at the end of an accumulation window" in message, message
+    assert "rank 0 at the end of its epoch, at a batch it did not train" in message, message
     assert "`on_train_batch_start` returning -1 on one rank" in message, message
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_every_rank_ending_its_epoch_at_one_batch_goes_on(tmp_path: Path, mode: str) -> None:
+    """Both ranks leave epoch 0 at batch 3 (window [2, 3] holds batch 2 only, and no step is made for it)."""
+    data = nonempty_data(6, seed=175)
+    params, _ = fit(LeavesEarly(data, 3, leavers=(0, 1)), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
+                    accumulate_grad_batches=2, max_epochs=2)
+    steps = [[rank[i] for rank in data for i in window] for window in ([0, 1], [0, 1], [2, 3], [4, 5])]
+    expected, _ = reference_steps(steps)
+    if mode == "plain":
+        assert relative_error(params, expected) > 1e-6
+    else:
+        assert relative_error(params, expected) < EXACT
 

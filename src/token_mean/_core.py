@@ -44,13 +44,15 @@ class Layout:
 
     ``world``: the ranks that share a denominator; ``gradients``: builds deferred mode's path to the gradient;
     ``checks``: host-side checks run as each window closes; ``on_out_of_step``: what this rank still does when a
-    blocking collective finds the ranks out of step (None: the others then wait for the timeout in their backward).
+    blocking collective finds the ranks out of step (None: the others then wait for the timeout in their backward);
+    ``catch_up``: what the others' next forward runs that a rank whose epoch ended must take part in.
     """
 
     world: World
     gradients: Callable[[], GradientPath]
     checks: Sequence[WindowCheck] = ()
     on_out_of_step: Callable[[Reduced], None] | None = None
+    catch_up: Callable[[], None] | None = None
 
 
 def make_mode(mode: Mode, layout: Layout, settings: Settings, rank_counts: bool) -> WindowMode:

@@ -24,7 +24,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._checkpoint import every_rank, this_rank
+from token_mean._checkpoint import RankPosition, every_rank, this_rank
 from token_mean._core import Layout, checked_settings, make_mode
 from token_mean._counting import CountFn
 from token_mean._exit import destroy_process_group_at_exit
@@ -61,6 +61,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._ended: WindowResult | None = None  # the window whose last backward ran, until its optimizer step
         self._last_window: WindowStats | None = None
         self._resume: dict[str, Any] = {}  # this rank's loader position from a mid-epoch checkpoint
+        self._epoch = _Epoch()
         self._track_rank_counts = False
 
     @property
@@ -101,7 +102,6 @@ class TokenMeanStrategy(ParallelStrategy):
         """
         self._track_rank_counts = True
 
-
     def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
         """Refuse the parent strategy's arguments that ``mode`` cannot combine with (none by default)."""
 
@@ -115,7 +115,6 @@ class TokenMeanStrategy(ParallelStrategy):
 
         return stand_in_loss(self._module())
 
-
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # starts the process group
@@ -128,7 +127,9 @@ class TokenMeanStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         _check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
-        self._mode = make_mode(self._mode_name, self._layout(), self._settings, self._track_rank_counts)
+        layout = self._layout()
+        self._epoch.catch_up = layout.catch_up
+        self._mode = make_mode(self._mode_name, layout, self._settings, self._track_rank_counts)
         _lightning.read_through(trainer, self._on_epoch, self._on_setup_data)
 
     def _distributed(self) -> bool:
@@ -137,25 +138,43 @@ class TokenMeanStrategy(ParallelStrategy):
     def _on_setup_data(self, loaders: list[Any], local_length: int | None) -> None:
         """Lightning sized the epoch from this rank's loaders: every rank takes the longest (one all-reduce)."""
         assert self._mode is not None  # read_through is installed after the mode exists
-        if length_is_a_hint(loaders):
-            local_length = None
-        length = agree_on_length(self._mode.channel, local_length, self._settings.pad_uneven_ranks)
-        _lightning.resize_epoch(self._trainer(), length)
+        self._epoch.size(self._trainer(), self._mode, loaders, local_length, self._settings.pad_uneven_ranks)
 
     def _on_epoch(self, reader: Reader) -> None:
         """The fit loop starts a pass over the training batches (a new epoch, or a resumed one)."""
         assert self._mode is not None  # read_through is installed after the mode exists
-        reader.start_epoch(_lightning.epoch_length(self._trainer()), bool(self._resume.pop("exhausted", False)))
+        self._epoch.leave_if_left(self._trainer(), self._mode, self._distributed())
+        # the length agreed when the loaders were set up (a callback may have resized Lightning's epoch since)
+        reader.start_epoch(self._epoch.length, bool(self._resume.pop("exhausted", False)), self._epoch.limit)
         self._reader = reader
         self._mode.start_epoch(reader)
 
     @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        if self._normalizing() is not None:  # after the module's hook, whose -1 would end this rank's epoch here
+            self._epoch.started = _lightning.epoch_position(self._trainer()) - 1
+
+    @override
+    def on_train_end(self) -> None:
+        if self._mode is not None:
+            self._epoch.leave_if_left(self._trainer(), self._mode, self._distributed())
+        super().on_train_end()
+
+    def _normalizing(self) -> WindowMode | None:
+        """The mode, but in an epoch without backward passes (SWA's BatchNorm epoch), which runs as plain DDP."""
+        if self._mode is None or _lightning.skips_backward(self._trainer()):
+            return None
+        return self._mode
+
+    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        mode = self._mode
+        mode = self._normalizing()
         if mode is None:
             return super().training_step(*args, **kwargs)
         trainer = self._trainer()
         position, last = _lightning.batch_position(trainer)
+        self._epoch.train(position, trainer.accumulate_grad_batches)
         filler = mode.begin(position, last, trainer.accumulate_grad_batches, _step_name(trainer))
         with filler_batch(filler):
             output = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
@@ -183,24 +202,14 @@ class TokenMeanStrategy(ParallelStrategy):
         return loss
 
     @override
-    def optimizer_step(
-        self,
-        optimizer: Optimizer,
-        closure: Callable[[], Any],
-        model: pl.LightningModule | Module | None = None,
-        **kwargs: Any,
-    ) -> Any:
-        if self._mode is None:
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
+        if self._normalizing() is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The window's last micro-batch first: its backward ends the window, so an empty window skips the update
         # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
         result = closure()
-        ended, self._ended = self._ended, None
-        if ended is None:
-            raise RuntimeError(
-                "token_mean: internal error: the optimizer steps, but no accumulation window ended. Please report this"
-                " with your Trainer settings."
-            )
+        ended, self._ended = _window_ended(self._ended), None
         if ended.stats.skipped:
             return None
         return super().optimizer_step(optimizer, _once(result), model, **kwargs)
@@ -214,28 +223,104 @@ class TokenMeanStrategy(ParallelStrategy):
         return self._module().trainer
 
     @override
-    def save_checkpoint(
-        self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None
-    ) -> None:
-        state: dict[str, Any] = {} if self._mode is None else self._mode.state_dict()
-        if self._reader is not None and self._reader.stateful:
-            state["loader_ranks"] = every_rank(self._reader, self.world_size, self._distributed())
-        checkpoint[CHECKPOINT_KEY] = state
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        checkpoint[CHECKPOINT_KEY] = _state(self._mode, self._reader, self._trainer(), self._distributed())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
-        state = checkpoint.get(CHECKPOINT_KEY)
-        if state is None:
-            return None
-        if self._mode is not None:
-            self._mode.load_state_dict(state)
-        own = this_rank(state, self.world_size, self.global_rank) if has_loader_states else None
+        own = _restore(checkpoint.get(CHECKPOINT_KEY), self._mode, self._epoch, self.world_size, self.global_rank,
+                       has_loader_states)
         if own is None:
             return None
         self._resume["exhausted"] = own.exhausted
         return own.loaders
+
+
+class _Epoch:
+    """The training epoch as this rank runs it: the length the ranks agreed on, this rank's own limit, and the batch
+    it started and trained last (one started but never trained: ``on_train_batch_start`` returned -1)."""
+
+    def __init__(self) -> None:
+        self.length: int | None = None
+        self.limit: int | None = None
+        self.started: int | None = None
+        self.trained: int | None = None
+        self.catch_up: Callable[[], None] | None = None  # what the others' next forward runs (the layout's)
+        self.saved_accumulate: int | None = None  # K in the checkpoint being resumed, until the first batch
+
+    def size(self, trainer: pl.Trainer, mode: WindowMode, loaders: list[Any], local: int | None, pad: bool) -> None:
+        if length_is_a_hint(loaders):
+            local = None
+        self.length = agree_on_length(mode.channel, local, pad)
+        # `limit_train_batches` limits each rank to its own share (a fraction of its own length): past it, fillers
+        self.limit = local if trainer.limit_train_batches != 1.0 else None
+        _lightning.resize_epoch(trainer, self.length)
+
+    def train(self, position: int, accumulate: int) -> None:
+        """Batch ``position`` is trained with K = ``accumulate``; the first after a resume is checked against the
+        K the checkpoint was written with."""
+        self.trained = position
+        saved, self.saved_accumulate = self.saved_accumulate, None
+        if saved is not None and position > 0 and saved != accumulate:
+            from lightning.fabric.utilities import rank_zero_warn
+
+            rank_zero_warn(
+                f"token_mean: this run resumed in the middle of an epoch (at batch {position}) with"
+                f" `accumulate_grad_batches` = {accumulate}, but the checkpoint was written with {saved}. Lightning"
+                " skips `on_train_epoch_start` on a mid-epoch restart, so a `GradientAccumulationScheduler` (or a"
+                " callback that sets K there) has not set this epoch's K: the rest of the epoch trains windows of"
+                f" {accumulate} micro-batches (plain Lightning does the same), exact for those windows but not the"
+                " uninterrupted run. Resume from a checkpoint written at the end of an epoch to keep the schedule."
+            )
+
+    def leave_if_left(self, trainer: pl.Trainer, mode: WindowMode, distributed: bool) -> None:
+        """This rank's epoch ended at a batch it did not train: meet the others where they are (the batch starts
+        Lightning still broadcasts in their window, then its exchange), so that every rank raises the same error
+        instead of waiting for the process group's timeout; no error where every rank ended there."""
+        started, trained = self.started, self.trained
+        self.started = self.trained = None
+        if started is None or started == trained or not distributed:
+            return
+        starts = mode.batch_starts_before_exchange(started, trainer.accumulate_grad_batches)
+        if starts is not None:  # the others train batch `started`, then start `starts` more before the exchange
+            if self.catch_up is not None:
+                self.catch_up()
+            _lightning.join_batch_starts(trainer, starts)
+        mode.leave(started)
+
+
+def _window_ended(ended: WindowResult | None) -> WindowResult:
+    if ended is None:
+        raise RuntimeError(
+            "token_mean: internal error: the optimizer steps, but no accumulation window ended. Please report this"
+            " with your Trainer settings."
+        )
+    return ended
+
+
+def _state(mode: WindowMode | None, reader: Reader | None, trainer: pl.Trainer, distributed: bool) -> dict[str, Any]:
+    """What a checkpoint keeps of the strategy: the mode's counters, the K in force and, for stateful loaders, every
+    rank's position (an all-gather)."""
+    state: dict[str, Any] = {} if mode is None else mode.state_dict()
+    state["accumulate"] = trainer.accumulate_grad_batches
+    if reader is not None and reader.stateful:
+        state["loader_ranks"] = every_rank(reader, trainer.world_size, distributed)
+    return state
+
+
+def _restore(
+    state: Mapping[str, Any] | None, mode: WindowMode | None, epoch: _Epoch, world_size: int, rank: int,
+    has_loader_states: bool,
+) -> RankPosition | None:
+    """Restore the mode's counters from a checkpoint's ``state``; this rank's saved position, if it holds one."""
+    if state is None:
+        return None
+    if mode is not None:
+        mode.load_state_dict(state)
+    epoch.saved_accumulate = state.get("accumulate")
+    return this_rank(state, world_size, rank) if has_loader_states else None
 
 
 def _step_name(trainer: pl.Trainer) -> str:

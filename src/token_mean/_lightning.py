@@ -32,13 +32,26 @@ def steps_after_this_batch(trainer: pl.Trainer) -> bool:
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
-def epoch_length(trainer: pl.Trainer) -> int | None:
-    """The training epoch's length in batches as the fit loop sized it (None: unsized).
+def skips_backward(trainer: pl.Trainer) -> bool:
+    """Whether the fit loop runs forward passes only this epoch (``StochasticWeightAveraging``'s BatchNorm epoch).
 
-    Relies on: ``FitLoop.max_batches`` is ``inf`` for an unsized loader, set by ``setup_data`` before ``iter()``.
+    Relies on: ``FitLoop._skip_backward`` (``_AutomaticOptimization._skip_backward``): the closure then runs
+    ``training_step`` without zeroing or back-propagating, and the optimizer still steps at the epoch's last batch.
     """
-    length = trainer.fit_loop.max_batches
-    return None if length == float("inf") else int(length)
+    return bool(trainer.fit_loop._skip_backward)
+
+
+def join_batch_starts(trainer: pl.Trainer, count: int) -> None:
+    """Take part in ``count`` of Lightning's batch starts on the other ranks, for a rank whose epoch already ended.
+
+    Relies on: ``_TrainingEpochLoop.advance`` broadcasts the SIGTERM flag from rank 0 at the start of every batch
+    (``_broadcast_sigterm_tensor``: a one-element int64 tensor on the root device) when more than one rank runs.
+    """
+    import torch
+    import torch.distributed as dist
+
+    for _ in range(count):
+        dist.broadcast(torch.zeros(1, dtype=torch.int64, device=trainer.strategy.root_device), src=0)
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
@@ -257,12 +270,12 @@ def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
 __all__ = [
     "batch_position",
     "checkpoint_loader_states",
-    "epoch_length",
     "epoch_position",
     "fabric_host_batches",
     "fabric_modules",
     "fabric_strategy_of",
     "has_loader_states_to_load",
+    "join_batch_starts",
     "read_through",
     "replace_checkpoint_loader_states",
     "resize_epoch",
@@ -270,6 +283,7 @@ __all__ = [
     "set_loader_states_to_load",
     "should_update_logs",
     "show_on_progress_bar",
+    "skips_backward",
     "steps_after_this_batch",
     "uses_dataloader_iter",
 ]

@@ -122,6 +122,15 @@ class Lookahead(WindowMode):
             raise_lines(lines, window.where, window.detail, self.channel.world.rank)
         return _Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
 
+    def batch_starts_before_exchange(self, position: int, accumulate: int) -> int | None:
+        open_ = self._open
+        if open_ is not None and open_.window.start <= position < open_.counts.stop:
+            return open_.counts.stop - 1 - position
+        counts = self._announced.get(position)  # the next window's, if the rank left at its first batch
+        if counts is None or counts.stop != self.reader.window_stop(position, accumulate):
+            return None  # the others first count the window in a collective of its own, before its first forward
+        return counts.stop - 1 - position
+
     @staticmethod
     def _disagreement(position: int, start: int, stop: int) -> str:
         return (

@@ -141,6 +141,18 @@ class WindowMode(ABC):
     def after_backward(self) -> WindowResult | None:
         """The micro-batch's backward ran; after the window's last, its result (the window's one host read)."""
 
+    def batch_starts_before_exchange(self, position: int, accumulate: int) -> int | None:
+        """How many batches after ``position`` the other ranks still start before the exchange of the window that
+        holds it (for a rank whose epoch ended at ``position``, untrained); None where their next collective comes
+        before the forward of ``position``."""
+        return min(self.reader.window_stop(position, accumulate), self.reader.length) - 1 - position
+
+    def leave(self, position: int) -> None:
+        """This rank's epoch ended at ``position``, which it did not train: one blocking collective, in step only
+        where every rank ended there; otherwise it meets what the others are at, and every rank raises that the
+        ranks are out of step."""
+        self.channel.reduce(Kind.LEFT).check(f"the end of its epoch at batch {position}")
+
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the mode (identical on every rank)."""
         return {"skipped_steps": self.skipped_steps}
@@ -195,6 +207,9 @@ class WindowMode(ABC):
         for check in self._checks:
             for problem, detail in check():
                 window.flag(problem, detail)
+        reader = self.reader
+        if reader.sized and window.start + window.length >= reader.length and reader.yields_past_end():
+            window.flag(Problem.LONGER_THAN_LEN, f"its loader yielded a batch past the epoch's {reader.length}")
         return window.close(values)
 
     def _count_received(self, window: Window, batch: Any, output: StepOutput, use_num_items: bool) -> Tensor:

@@ -104,6 +104,13 @@ class Problem(Enum):
         " in DDP's backward with",
         "give every rank at least one batch.",
     )
+    LONGER_THAN_LEN = (
+        "the training loader yielded more batches than its `len()`: the epoch ends at `len()` (the stepping rule,"
+        " the progress and the limits are sized by it), so the batches past it would never be trained",
+        "make the loader's `__len__` exact (a token-budget batch sampler: count the batches it will yield), or"
+        " yield the batches from an `IterableDataset`, whose length is taken as a hint: the ranks then agree on the"
+        " epoch's end as the streams end, and every batch is trained.",
+    )
 
     def __init__(self, what: str, fix: str) -> None:
         self.what = what

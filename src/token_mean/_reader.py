@@ -78,6 +78,8 @@ class Reader:
         self._current_storages: frozenset[int] = frozenset()
         self._previous_storages: frozenset[int] = frozenset()  # of the last real batch read
         self._real_reads = 0
+        self._limit: int | None = None
+        self._restarted = False
         self.refills = False  # a real batch shared memory with the one read before it
         self.current: Entry | None = None  # the entry handed out last (None before the epoch's first)
 
@@ -85,9 +87,12 @@ class Reader:
     # the epoch
     # ---------------------------------------------------------------------------------------------------------
 
-    def start_epoch(self, length: int | None, resumed_exhausted: bool = False) -> None:
+    def start_epoch(self, length: int | None, resumed_exhausted: bool = False, limit: int | None = None) -> None:
         """A new pass over the loader (``length`` None: a stream); ``resumed_exhausted``: this rank's loader had run
-        out when the checkpoint being resumed was written."""
+        out when the checkpoint being resumed was written; ``limit``: this rank trains its first ``limit`` batches
+        only (Lightning's ``limit_train_batches``), and repeats a filler after them."""
+        self._limit = limit
+        self._restarted = False
         self._position = 0
         self._started = False
         self.sized = length is not None
@@ -121,6 +126,9 @@ class Reader:
     def _shift(self, start: int) -> None:
         """Positions count from 0 until the first batch is fetched, then from where the loop's epoch stands."""
         self._started = True
+        # resumed mid-epoch from a loader without a state (Lightning restarts it from its first batch): where the
+        # loader ends says nothing about where the epoch does
+        self._restarted = start > 0 and not self.stateful
         self._position += start
         self._entries = deque(replace(entry, position=entry.position + start) for entry in self._entries)
         self._held = deque(replace(held, entry=replace(held.entry, position=held.entry.position + start))
@@ -222,9 +230,19 @@ class Reader:
         self.read_ahead(max(position, self._position + len(self._held)) + 1, in_flight=in_flight)
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
+    def yields_past_end(self) -> bool:
+        """Whether the loader still yields a batch past the sized epoch's end (read and dropped). Only asked where
+        the epoch was not limited and the loader is known to yield fresh memory: a loader that refills one buffer
+        would overwrite the batch in flight, nor after a mid-epoch resume that restarted a loader without a state."""
+        if not self.sized or self._limit is not None or self._restarted or not self.fresh or self._source.exhausted:
+            return False
+        return self._source.yields_more()
+
     def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, frozenset[int]]:
         """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
         not finished its backward, so a batch sharing its memory would overwrite it."""
+        if self._limit is not None and position >= self._limit:
+            self._source.stop()
         item, filler = self._source.next()
         if filler:
             return item, Entry(position, filler=True), frozenset()
@@ -251,6 +269,21 @@ class _Source:
         self.exhausted = False
         self._template = None
         self._resumed_exhausted = resumed_exhausted
+
+    def stop(self) -> None:
+        """The rank's limit is reached: what the loader holds after it is not trained."""
+        self.exhausted = True
+        self.pending.clear()
+
+    def yields_more(self) -> bool:
+        """Whether the loader has an item left; it is read and dropped, and the source's state is left as it was."""
+        if self.pending:
+            return True
+        try:
+            self._raw_next()
+        except StopIteration:
+            return False
+        return True
 
     def next(self) -> tuple[Any, bool]:
         """The next item and whether it is a filler; ``StopIteration`` for a loader that yielded nothing."""

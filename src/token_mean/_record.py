@@ -63,6 +63,7 @@ class Kind(Enum):
     WINDOW = "the end of an accumulation window"
     STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
+    LEFT = "the end of its epoch, at a batch it did not train (`on_train_batch_start` returned -1)"
 
 
 Mark = Problem | Kind

@@ -114,6 +114,16 @@ def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> Non
         model._match_unused_params_allreduce()  # type: ignore[no-untyped-call]
 
 
+def rebuild_ddp_buckets(model: torch.nn.parallel.DistributedDataParallel) -> None:
+    """Take part in the bucket rebuild the other ranks run in their next forward, once per training.
+
+    Relies on: ``Reducer._rebuild_buckets()``, what DDP's forward (and its uneven-inputs join hook) calls before
+    each forward: after the first backward that synchronized gradients it broadcasts rank 0's bucket order once,
+    and does nothing after that.
+    """
+    model.reducer._rebuild_buckets()
+
+
 def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     """The parameter names DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``).
 
@@ -131,6 +141,7 @@ __all__ = [
     "multiply_",
     "norms",
     "premul_sum",
+    "rebuild_ddp_buckets",
     "shadow_ddp_backward",
     "to_device",
 ]

@@ -9,7 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from torch.nn.parallel import DistributedDataParallel
 from typing_extensions import override
 
-from token_mean import _lightning
+from token_mean import _lightning, _torch
 from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
 from token_mean._core import Layout
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
@@ -33,8 +33,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     .. math:: g = \frac{1}{N} \sum_{r, j} \sum_{i \in \text{valid}(r, j)} \nabla \ell_i, \qquad N = \sum_{r, j} n_{r, j}
 
     over all ranks r and micro-batches j of the window, the gradient of the unpartitioned run. Empty micro-batches
-    and empty ranks contribute zero (never 0/0) and still take part in every collective; a window with N = 0 on all
-    ranks changes neither the parameters nor the optimizer state.
+    and ranks with no valid items contribute zero (never 0/0) and still take part in every collective (a rank with
+    no batch at all is refused); a window with N = 0 on all ranks changes neither the parameters nor the optimizer
+    state.
 
     The count is whatever the objective averages over: valid target tokens (the default, ``labels != -100``),
     examples (``count_fn=token_mean.count_examples``) or a sum of sample weights (a float). Choosing it is choosing
@@ -126,7 +127,8 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
         assert isinstance(model, DistributedDataParallel)  # `fit` wraps the model before `setup` asks
         # every rank holds its own batch: all of them share the denominator, over the default process group
         world = World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
-        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model))
+        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
+                      lambda: _torch.rebuild_ddp_buckets(model))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
