@@ -123,6 +123,15 @@ def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     return set(getattr(model, "parameters_to_ignore", ()) or ())
 
 
+def version(tensor: Tensor) -> int:
+    """The tensor's version counter: every in-place change of it (or of a view of its storage) increments it.
+
+    Relies on: ``Tensor._version``, autograd's counter, shared by a tensor and its views and bumped by in-place ops
+    and ``copy_`` (not by writes through a NumPy array or a raw pointer).
+    """
+    return int(tensor._version)
+
+
 __all__ = [
     "Reduction",
     "ddp_ignored",
@@ -133,4 +142,5 @@ __all__ = [
     "premul_sum",
     "shadow_ddp_backward",
     "to_device",
+    "version",
 ]
