@@ -16,10 +16,11 @@ from typing import Any
 import pytest
 import torch
 from _fabric import data_rank, full_state, launched, rank_batches, setup, shifted_count, shifted_loss
-from _harness import EXACT, MODES, Batch, lightning_steps, reference_steps, relative_error
+from _harness import EXACT, MODES, Batch, ListDataset, lightning_steps, reference_steps, relative_error
 from lightning.fabric import Fabric
 from test_fabric_guarantees import MISSES, ddp, ragged, reference
 from torch import Tensor
+from torch.utils.data import DataLoader, DistributedSampler
 
 from token_mean import count_shifted_labels
 from token_mean.fabric import TokenMeanAccumulator
@@ -268,3 +269,106 @@ def test_validation_after_a_step_whose_last_batch_is_a_filler_counts_every_rank(
     control = launched(ddp(), train_and_validate, data, validation, mode, True)
     assert control[1]["count"] < total
     assert abs(control[1]["loss"] - validation_loss(control[1]["params"], validation)) > MISSES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 3: resuming in the middle of pass 2 (the sampler's epoch), and on another number of processes
+# ---------------------------------------------------------------------------------------------------------------
+
+SEED = 7
+
+
+def shuffled_loader(fabric: Fabric, batches: list[Batch]) -> tuple[Any, DistributedSampler[Batch]]:
+    """A loader from ``fabric.setup_dataloaders`` over a shuffling ``DistributedSampler``: its order is the epoch's."""
+    dataset = ListDataset(batches)
+    sampler = DistributedSampler(dataset, num_replicas=fabric.world_size, rank=fabric.global_rank, shuffle=True,
+                                 seed=SEED)
+    loader = DataLoader(dataset, batch_size=None, sampler=sampler)
+    return fabric.setup_dataloaders(loader, use_distributed_sampler=False), sampler
+
+
+def epochs_of(fabric: Fabric, batches: list[Batch], mode: str, path: Path, phase: str, save_after: int = 0,
+              forget_epoch: bool = False) -> dict[str, Tensor]:
+    """Two passes with the docs' recipe (``sampler.set_epoch(pass)`` before each). ``phase``: "whole" trains both;
+    "first" saves after window ``save_after`` (counted over both passes) and stops, "between" saves after pass 1 and
+    stops; "resumed" loads that checkpoint and trains on (``forget_epoch``: the saved loader epoch dropped, the
+    control)."""
+    model, optimizer = setup(fabric)
+    accumulator = accumulator_for(fabric, model, mode)
+    loader, sampler = shuffled_loader(fabric, batches)
+    first_pass = 0
+    if phase == "resumed":
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "accumulator": None, "pass": 0}
+        fabric.load(path, state)
+        saved = state["accumulator"]
+        accumulator.load_state_dict({**saved, "loader_epoch": None} if forget_epoch else saved)
+        first_pass = state["pass"]
+    windows = 0
+    for pass_ in range(first_pass, 2):
+        sampler.set_epoch(pass_)
+        for batch in accumulator.batches(loader):
+            windows += train_on(fabric, model, optimizer, accumulator, batch)
+            if phase == "first" and windows == save_after and not accumulator.accumulating:
+                fabric.save(path, {"model": model, "optimizer": optimizer, "accumulator": accumulator.state_dict(),
+                                   "pass": pass_})
+                return full_state(model)
+        if phase == "between":
+            fabric.save(path, {"model": model, "optimizer": optimizer, "accumulator": accumulator.state_dict(),
+                               "pass": pass_ + 1})
+            return full_state(model)
+    return full_state(model)
+
+
+def epoch_reference(batches: list[Batch], ranks: int) -> dict[str, Tensor]:
+    """The float64 reference over two passes, each in the order torch's ``DistributedSampler`` gives its epoch."""
+    steps = []
+    for epoch in range(2):
+        per_rank = []
+        for rank in range(ranks):
+            sampler = DistributedSampler(ListDataset(batches), num_replicas=ranks, rank=rank, shuffle=True, seed=SEED)
+            sampler.set_epoch(epoch)
+            per_rank.append([batches[index] for index in sampler])
+        steps += lightning_steps(per_rank, K)
+    loss_sum = lambda net, batch: shifted_loss(net, batch, "sum")  # noqa: E731
+    return reference_steps(steps, loss_sum=loss_sum, count=shifted_count)[0]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_resuming_in_the_middle_of_pass_2_keeps_the_samplers_epoch(tmp_path: Path, mode: str) -> None:
+    """12 batches shuffled by a ``DistributedSampler`` over 2 ranks (6 each, 3 windows a pass), saved after window 4
+    (the middle of pass 2): the resumed run reads pass 2 in epoch 1's order, as the uninterrupted run did, and both
+    equal the reference. Control: the same resume without the saved loader epoch (Fabric's loader starts its pass
+    counter at 0 in a new process and overrides ``set_epoch``) reads epoch 0's order and misses."""
+    batches = [batch for rank in ragged(2, 6, seed=65) for batch in rank]
+    expected = epoch_reference(batches, 2)
+    path = tmp_path / "checkpoint"
+    whole = launched(ddp(), epochs_of, batches, mode, path, "whole")
+    assert relative_error(whole, expected) < EXACT
+    launched(ddp(), epochs_of, batches, mode, path, "first", 4)
+    resumed = launched(ddp(), epochs_of, batches, mode, path, "resumed")
+    assert relative_error(resumed, expected) < EXACT
+    forgot = launched(ddp(), epochs_of, batches, mode, path, "resumed", 0, True)
+    assert relative_error(forgot, expected) > MISSES
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_resuming_a_pass_on_another_number_of_processes_is_refused(tmp_path: Path, mode: str) -> None:
+    """A checkpoint written by 2 processes in the middle of pass 1 (after window 1), resumed on one: ``load_state_dict``
+    raises (the same state on every rank: the same error), naming both numbers and the fix. Control: a checkpoint
+    written between passes (position 0) resumes on one process and trains pass 2."""
+    batches = [batch for rank in ragged(2, 6, seed=66) for batch in rank]
+    path = tmp_path / "checkpoint"
+    launched(ddp(), epochs_of, batches, mode, path, "first", 1)
+    with pytest.raises(ValueError, match=r"the checkpoint was written in the middle of a pass by 2 processes.*resumed"
+                                         r" with 1 processes.*Resume with 2 processes, or from a checkpoint written"
+                                         r" between passes"):
+        epochs_of(Fabric(accelerator="cpu", devices=1), batches, mode, path, "resumed")
+    between = launched(ddp(), epochs_of, batches, mode, path, "between")
+    state = torch.load(path, weights_only=False)["accumulator"]
+    assert (state["position"], state["passes"]) == (0, 1), state
+    resumed = epochs_of(Fabric(accelerator="cpu", devices=1), batches, mode, path, "resumed")
+    assert relative_error(resumed, between) > MISSES  # it trained pass 2
