@@ -15,7 +15,7 @@ from typing import Any
 
 import pytest
 import torch
-from _fabric import data_rank, full_state, launched, rank_batches, setup, shifted_count, shifted_loss
+from _fabric import data_rank, full_state, launched, plain_loop, rank_batches, setup, shifted_count, shifted_loss
 from _harness import EXACT, MODES, Batch, ListDataset, lightning_steps, reference_steps, relative_error
 from lightning.fabric import Fabric
 from test_fabric_guarantees import MISSES, ddp, ragged, reference
@@ -372,3 +372,83 @@ def test_resuming_a_pass_on_another_number_of_processes_is_refused(tmp_path: Pat
     assert (state["position"], state["passes"]) == (0, 1), state
     resumed = epochs_of(Fabric(accelerator="cpu", devices=1), batches, mode, path, "resumed")
     assert relative_error(resumed, between) > MISSES  # it trained pass 2
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 7: a one-batch epoch cycled yields the same unchanged tensors again, which is no refilled buffer
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_one_batch_epoch_under_cycle_iterator(tmp_path: Path, mode: str) -> None:
+    """Each rank's loader holds one batch (``batch_size=None`` over stored tensors: every epoch yields the very same
+    tensors), cycled by LitGPT's CycleIterator for 6 micro-batches, K = 2: every window holds that batch twice, read
+    ahead beside itself. Lookahead and deferred are exact. Control: LitGPT's own loop over the same stream misses."""
+    data = [rank[:1] for rank in ragged(2, 1, seed=67)]
+    stream = cycled(data, 6)
+    expected, _ = reference(stream, K)
+    result = launched(ddp(), pretrain, data, mode, tmp_path / "checkpoint", 6, False, "top")
+    assert relative_error(result["params"], expected) < EXACT
+    assert relative_error(launched(ddp(), plain_loop, stream, K), expected) > MISSES
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 4: FabricMonitor after a resume numbers its windows on from the checkpoint's
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def monitored_resume(fabric: Fabric, data: list[list[Batch]], mode: str, path: Path, phase: str, record: Path,
+                     reference_trace: Path | None = None, forget_windows: bool = False) -> Any:
+    """One pass with ``FabricMonitor(record=..., reference=..., on_divergence="log")``: ``phase`` "whole" trains
+    it, "first" saves after window 2 and stops, "resumed" loads that checkpoint and trains on (``forget_windows``:
+    the state's window count set to 0, what the monitor numbered from before; the control). The first divergence."""
+    from token_mean.fabric import FabricMonitor
+
+    model, optimizer = setup(fabric)
+    monitor = FabricMonitor(record=record, reference=reference_trace, on_divergence="log")
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, mode=mode, count_fn=count_shifted_labels,
+                                       monitor=monitor)
+    if phase == "resumed":
+        state: dict[str, Any] = {"model": model, "optimizer": optimizer, "accumulator": None}
+        fabric.load(path, state)
+        saved = state["accumulator"]
+        accumulator.load_state_dict({**saved, "windows": 0} if forget_windows else saved)
+    windows = 0
+    for batch in accumulator.batches(data[data_rank(fabric)]):
+        windows += train_on(fabric, model, optimizer, accumulator, batch)
+        if phase == "first" and windows == 2 and not accumulator.accumulating:
+            fabric.save(path, {"model": model, "optimizer": optimizer, "accumulator": accumulator.state_dict()})
+            break
+    monitor.close()
+    divergence = monitor.first_divergence
+    return None if divergence is None else (divergence.step, divergence.quantity)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_the_monitor_numbers_a_resumed_runs_windows_on(tmp_path: Path, mode: str) -> None:
+    """6 batches per rank (3 windows), saved after window 2, resumed: the resumed run's trace holds step 2 only, with
+    the float64 reference's N, loss, gradient norm and parameter norm of window 3, and its comparison with the
+    uninterrupted run's trace finds no divergence. Control: numbered from 0 again (the saved window count dropped),
+    the same run compares its window 3 with the reference's step 0 and reports a divergence there."""
+    from test_fabric_guarantees import monitor_data, trajectory
+
+    from token_mean._trace import read_trace
+
+    data = monitor_data()
+    expected = trajectory(data)
+    path, whole = tmp_path / "checkpoint", tmp_path / "whole.csv"
+    assert launched(ddp(), monitored_resume, data, mode, path, "whole", whole) is None
+    launched(ddp(), monitored_resume, data, mode, path, "first", tmp_path / "first.csv")
+    resumed = tmp_path / "resumed.csv"
+    assert launched(ddp(), monitored_resume, data, mode, path, "resumed", resumed, whole) is None
+    trace = read_trace(resumed)
+    assert sorted(trace) == [2]
+    assert trace[2]["global_count"] == expected[2]["global_count"]
+    for column in ("loss", "grad_norm", "param_norm"):
+        assert trace[2][column] == pytest.approx(expected[2][column], rel=EXACT), column
+    control = launched(ddp(), monitored_resume, data, mode, path, "resumed", tmp_path / "control.csv", whole, True)
+    assert control is not None and control[0] == 0
