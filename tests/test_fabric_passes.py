@@ -452,3 +452,79 @@ def test_the_monitor_numbers_a_resumed_runs_windows_on(tmp_path: Path, mode: str
         assert trace[2][column] == pytest.approx(expected[2][column], rel=EXACT), column
     control = launched(ddp(), monitored_resume, data, mode, path, "resumed", tmp_path / "control.csv", whole, True)
     assert control is not None and control[0] == 0
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# item 5: another K with a new accumulator on the same DDP model
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def two_accumulators(fabric: Fabric, data: list[list[Batch]], mode: str, second_k: int) -> dict[str, Tensor]:
+    """Pass 1 with K = 2, then pass 2 with a new accumulator of K = ``second_k`` on the same model (deferred: DDP
+    takes one communication hook per model, for good)."""
+    model, optimizer = setup(fabric)
+    for accumulate in (K, second_k):
+        accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode,
+                                           count_fn=count_shifted_labels)
+        for batch in accumulator.batches(data[data_rank(fabric)]):
+            train_on(fabric, model, optimizer, accumulator, batch)
+        del accumulator  # the hook must follow the new mode, not the dropped one
+    return full_state(model)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_new_accumulator_with_another_k_on_the_same_model(mode: str) -> None:
+    """6 ragged batches per rank, pass 1 in windows of 2 and pass 2 in windows of 3: the reference over those
+    windows. Control: the same loop keeping K = 2 misses it (the second K did change the windows)."""
+    data = ragged(2, 6, seed=68)
+    loss_sum = lambda net, batch: shifted_loss(net, batch, "sum")  # noqa: E731
+    steps = lightning_steps(data, K) + lightning_steps(data, 3)
+    expected, _ = reference_steps(steps, loss_sum=loss_sum, count=shifted_count)
+    assert relative_error(launched(ddp(), two_accumulators, data, mode, 3), expected) < EXACT
+    assert relative_error(launched(ddp(), two_accumulators, data, mode, K), expected) > MISSES
+
+
+def with_own_comm_hook(fabric: Fabric) -> str:
+    """Deferred on a model that already has the user's own DDP communication hook: every rank's message."""
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+
+    model, _ = setup(fabric)
+    model._forward_module.register_comm_hook(None, allreduce_hook)  # the DistributedDataParallel
+    try:
+        accumulator_for(fabric, model, "deferred")
+    except ValueError as error:
+        message = str(error)
+    else:
+        message = "accepted"
+    messages = [""] * fabric.world_size
+    torch.distributed.all_gather_object(messages, message)
+    return "\n".join(messages)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_deferred_on_a_model_with_its_own_comm_hook_says_what_to_do() -> None:
+    """Control: the test above, where the accumulator's own hook is installed once and followed."""
+    messages = launched(ddp(), with_own_comm_hook).split("\n")
+    assert len(messages) == 2 and len(set(messages)) == 1, messages
+    assert "the model already has one" in messages[0] and "use `mode='lookahead'`" in messages[0], messages
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# messages name the front end in use
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("trace", ["missing.csv", "folder"])
+def test_fabric_monitor_messages_name_fabric_monitor(tmp_path: Path, trace: str) -> None:
+    """A reference trace that is missing or a directory: the message says how to record one with
+    ``FabricMonitor(record=...)``. Control: the Trainer's monitor says ``DenominatorMonitor`` (test_callback.py)."""
+    from token_mean.fabric import FabricMonitor
+
+    (tmp_path / "folder.csv").mkdir()
+    path = tmp_path / ("missing.csv" if trace == "missing.csv" else "folder.csv")
+    with pytest.raises((FileNotFoundError, IsADirectoryError), match=r"`FabricMonitor\(record=") as raised:
+        FabricMonitor(reference=path)
+    assert "DenominatorMonitor" not in str(raised.value)
