@@ -99,7 +99,8 @@ class DenominatorMonitor(Callback):
     ) -> None:
         _check_measurement(count_fn, loss_reduction)
         self._settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
+            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`",
+            "DenominatorMonitor",
         )
         self.logging_interval = logging_interval
         self._count_fn_arg = count_fn

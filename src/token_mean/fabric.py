@@ -351,7 +351,7 @@ class FabricMonitor:
         on_divergence: OnDivergence = "warn",
     ) -> None:
         settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)"
+            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)", "FabricMonitor"
         )
         self._interval = logging_interval
         self._observer = Observer(settings)
