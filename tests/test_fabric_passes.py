@@ -18,7 +18,7 @@ import torch
 from _fabric import data_rank, full_state, launched, plain_loop, rank_batches, setup, shifted_count, shifted_loss
 from _harness import EXACT, MODES, Batch, ListDataset, lightning_steps, reference_steps, relative_error
 from lightning.fabric import Fabric
-from test_fabric_guarantees import MISSES, ddp, ragged, reference
+from test_fabric_guarantees import FABRICS, MISSES, ddp, ragged, reference
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -184,12 +184,15 @@ def left_then_zeroed(fabric: Fabric, data: list[list[Batch]], mode: str, leave: 
 @pytest.mark.timeout(90)
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("leave", ["boundary", "inside"])
-def test_gradients_zeroed_in_place_after_leaving_a_pass(mode: str, leave: str) -> None:
+@pytest.mark.parametrize("layout", ["ddp", "fsdp2"])
+def test_gradients_zeroed_in_place_after_leaving_a_pass(mode: str, leave: str, layout: str) -> None:
     """Rank 1 has 1 batch to rank 0's 4 (its batch 2, where the pass is left inside a window, is a filler: its local
     gradient is all zeros, rank 0's is not, and both ranks must still decide alike). The second pass runs on both
     ranks and the result is the reference over window 1 of the first pass, then the whole second pass. Control: the
     reference without the first window misses (that window did train), and without the zeroing a pass left inside a
-    window raises (``test_fabric_guarantees.test_a_pass_left_mid_window_then_a_new_pass``)."""
+    window raises (``test_fabric_guarantees.test_a_pass_left_mid_window_then_a_new_pass``). FSDP2 keeps the partial
+    gradient unsharded inside, where ``zero_grad`` does not reach: the accumulator drops it (kept, the run ends 0.3
+    to 0.6 off)."""
     data = ragged(2, 4, seed=63)
     data[1] = data[1][:1]
     steps = lightning_steps(data, K)
@@ -197,7 +200,7 @@ def test_gradients_zeroed_in_place_after_leaving_a_pass(mode: str, leave: str) -
     loss_sum = lambda net, batch: shifted_loss(net, batch, "sum")  # noqa: E731
     expected, _ = reference_steps(steps[:1] + steps, loss_sum=loss_sum, count=shifted_count)
     second_pass_alone, _ = reference_steps(steps, loss_sum=loss_sum, count=shifted_count)
-    params = launched(ddp(), left_then_zeroed, data, mode, leave)
+    params = launched(FABRICS[layout](), left_then_zeroed, data, mode, leave)
     assert relative_error(params, expected) < EXACT
     assert relative_error(params, second_pass_alone) > MISSES
 

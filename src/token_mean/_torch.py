@@ -61,6 +61,28 @@ def fsdp_reduces_gradients(model: Module) -> list[bool]:
     ]
 
 
+def drop_fsdp_unreduced_gradients(model: Module) -> None:
+    """Drop what FSDP2 holds of backwards that did not reduce (``set_requires_gradient_sync(False)``): the partial
+    gradient of a window left unfinished, which ``optimizer.zero_grad()`` does not reach and the next reducing
+    backward would add in. A no-op for a model without FSDP2 modules.
+
+    Relies on: ``FSDPParamGroup.post_backward`` with ``reduce_grads`` False keeps each ``FSDPParam``'s gradient as
+    ``_unsharded_param.grad`` (or, for another reduce dtype, ``unsharded_accumulated_grad``), and the next reducing
+    ``post_backward`` reduce-scatters it with the new one.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for parameter in group.fsdp_params:
+                parameter.unsharded_accumulated_grad = None
+                unsharded = getattr(parameter, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
 def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
     """``tensors *= factor`` in one fused kernel per device and dtype (what ``clip_grad_norm_`` uses).
 
@@ -135,6 +157,7 @@ def version(tensor: Tensor) -> int:
 __all__ = [
     "Reduction",
     "ddp_ignored",
+    "drop_fsdp_unreduced_gradients",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
     "multiply_",

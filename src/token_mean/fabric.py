@@ -490,7 +490,7 @@ def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any
     """The last pass ended inside a window: its partial gradient must not go into the next window's update. A
     gradient set to None or zeroed in place since (``zero_grad(set_to_none=False)``) is no partial window: judged by
     version counters, the same on every rank that ran the same loop (a look at the values would not be: a rank of
-    fillers holds zeros)."""
+    fillers holds zeros). FSDP2 holds the partial gradient unsharded, out of the user's reach: it is dropped."""
     if abandoned is None:
         return
     position, gradients = abandoned
@@ -502,6 +502,7 @@ def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any
             " partial gradient is still in the parameters' `.grad` and would go into the next update. Call"
             " `optimizer.zero_grad()` before the next pass, or leave passes at a window boundary."
         )
+    _torch.drop_fsdp_unreduced_gradients(model)  # FSDP2 keeps the window's partial gradient where no zero_grad goes
 
 
 def _unchanged(batch: Any) -> Any:
