@@ -489,9 +489,18 @@ def test_the_unpoisoned_loop_runs(problem: str, mode: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_a_nan_loss_silently_ruins_the_plain_loop() -> None:
-    """What the error prevents: LitGPT's loop steps on the NaN gradient, and every parameter is NaN after it."""
+@pytest.mark.parametrize("mode", MODES)
+def test_a_nan_loss_raises_where_the_plain_loop_steps_on_it(tmp_path: Path, mode: str) -> None:
+    """A NaN loss on rank 1 in window 1: the same DenominatorError on both ranks, and both ranks' parameters are
+    still the initial ones. Control: LitGPT's loop on the same batches steps on the NaN gradient, and every parameter
+    is NaN after it."""
     data = poisoned(0)
+    count_fn, step, line, _ = PROBLEMS["nan-loss"]
+    message = one_message(every_rank_raises(ddp(), tmp_path, guarded, tmp_path, data, mode, count_fn, step))
+    assert line in message, message
+    for rank in range(2):
+        state = torch.load(tmp_path / f"state{rank}.pt", weights_only=True)
+        assert relative_error(state["params"], initial_state()) == 0.0
     params = launched(ddp(), _plain_poisoned, data)
     assert all(torch.isnan(value).all() for value in params.values())
 
@@ -1276,14 +1285,15 @@ def test_a_replay_against_the_fabric_trace(tmp_path: Path, mode: str, capsys: py
     """A second run with ``FabricMonitor(reference=trace, on_divergence="raise")`` on the same data passes; one on
     other data (window 1 has one target fewer) raises the same DivergenceError on both ranks at step 1, naming
     ``global_count``; ``python -m token_mean.plot`` (``main`` in-process) reads the Fabric traces and finds the same
-    first divergent step. Control: the same-data replay, which must not diverge."""
+    first divergent step. Control: the same-data replay, which must not diverge. The message names the Fabric
+    front end's monitor (``DenominatorMonitor`` is the Trainer's)."""
     reference_trace, same, other = tmp_path / "reference.csv", tmp_path / "same.csv", tmp_path / "other.csv"
     launched(ddp(), monitored, monitor_data(), mode, reference_trace)
     assert launched(ddp(), monitored, monitor_data(), mode, same, reference_trace) == {"first_divergence": None}
     message = one_message(every_rank_raises(ddp(), tmp_path / "outcomes", monitored, monitor_data(other=True), mode,
                                             None, reference_trace))
-    assert message.startswith("DivergenceError: "), message
-    assert "step 1 diverged from the reference trace" in message and "global_count is" in message, message
+    assert message.startswith("DivergenceError: FabricMonitor: step 1 diverged from the reference trace"), message
+    assert "global_count is" in message, message
     logged = launched(ddp(), monitored, monitor_data(other=True), mode, other, reference_trace, "log")
     assert logged == {"first_divergence": (1, "global_count")}
     capsys.readouterr()

@@ -365,6 +365,23 @@ def test_loader_yielding_fresh_tensors_is_fresh_after_two_batches_and_never_alia
     assert not any(entry.aliased for entry in reader.entries(0, 4))
 
 
+def test_the_same_batch_yielded_again_unchanged_is_not_aliased() -> None:
+    """A one-batch epoch cycled (LitGPT's CycleIterator) or a dataset of stored tensors yields the very same tensors
+    again: read ahead beside each other they are not a refilled buffer (nothing was overwritten). Control: the same
+    tensor written in place between the reads (``fill_``, as a refilling loader does) is aliased."""
+    labels = torch.tensor([1, 2, -100])
+    reader = Reader(FakeLoader([{"labels": labels}] * 3))
+    reader.start_epoch(3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, False]
+
+    refilled = RefillingLoader(3)
+    reader = Reader(refilled)
+    reader.start_epoch(3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, True, True]
+
+
 def test_batch_whose_tensor_repeats_the_previous_batchs_marks_the_loader_as_refilling() -> None:
     shared = torch.tensor([1, 2])
     reader = Reader(FakeLoader([{"labels": shared}, {"labels": shared, "extra": torch.ones(1)}]))

@@ -17,9 +17,10 @@ def scaled_allreduce_hook(
 
     Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean. On NCCL
     the factor rides inside the all-reduce (``PREMUL_SUM``: no pass over the gradients at all); gloo refuses that op,
-    so elsewhere the bucket is scaled in place first. ``state`` is a weak reference to the mode (the C++ reducer holds
-    it: a strong one would keep DDP and its process group alive, ``_ddp.InReduction``); outside a window, and once
-    the mode is gone (an accumulator dropped while its model trains on), the hook is DDP's mean.
+    so elsewhere the bucket is scaled in place first. ``state()`` is the mode training the model now, held weakly (the
+    C++ reducer holds the state: a strong one would keep DDP and its process group alive, ``_ddp._HookState``);
+    outside a window, and once the mode is gone (an accumulator dropped while its model trains on), the hook is
+    DDP's mean.
     """
     mode = state()
     factor = 1.0 / dist.get_world_size() if mode is None else mode.gradient_factor()

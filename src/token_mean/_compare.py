@@ -39,7 +39,8 @@ _CAUSES = {
 
 
 class DivergenceError(RuntimeError):
-    """Raised by ``DenominatorMonitor(on_divergence="raise")`` at the first step that diverges from its reference."""
+    """Raised by ``DenominatorMonitor(on_divergence="raise")`` (or ``FabricMonitor``) at the first step that diverges
+    from its reference."""
 
 
 @dataclass(frozen=True)
@@ -67,9 +68,11 @@ class TraceComparison:
     Reading is linear in the trace's length; only the compared columns are kept.
     """
 
-    def __init__(self, path: str | os.PathLike[str], rtol: float, atol: float) -> None:
+    def __init__(self, path: str | os.PathLike[str], rtol: float, atol: float,
+                 monitor: str = "DenominatorMonitor") -> None:
         self.path = os.fspath(path)
-        self.rows: dict[int, TraceRow] = read_trace(path)
+        self.monitor = monitor  # the front end's monitor, named in messages
+        self.rows: dict[int, TraceRow] = read_trace(path, writer=monitor)
         self.rtol = rtol
         self.atol = atol
 
@@ -109,7 +112,7 @@ class TraceComparison:
             if close(value, expected, rtol, atol):
                 continue
             message = (
-                f"DenominatorMonitor: step {step} diverged from the reference trace {self.path!r}: {column} is"
+                f"{self.monitor}: step {step} diverged from the reference trace {self.path!r}: {column} is"
                 f" {value!r} here but {expected!r} in the reference (tolerance {atol:g} + {rtol:g} × |reference|)."
                 f" Likely cause: {_CAUSES[column]}."
             )

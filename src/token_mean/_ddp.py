@@ -34,14 +34,44 @@ class InReduction(GradientPath):
         self._model = model
 
     def attach(self, mode: Deferred) -> None:
-        # registered on every device type (Lightning registers `ddp_comm_hook` on CUDA only); one hook per model.
-        # The reducer (C++) holds the hook's state, and the mode leads back to this wrapper: a strong state would make
-        # a cycle through C++ that `gc` never frees, keeping DDP and the process group (its gloo threads) alive into
-        # interpreter finalization, where a thread that still has to take the GIL aborts the process (`_exit`).
-        self._model.register_comm_hook(weakref.ref(mode), scaled_allreduce_hook)
+        # registered on every device type (Lightning registers `ddp_comm_hook` on CUDA only). DDP takes one hook per
+        # model, for good: a later deferred mode on the same model (a new accumulator with another K) takes over the
+        # installed hook's state instead of registering again.
+        state = getattr(self._model, _HOOK_STATE, None)
+        if isinstance(state, _HookState):
+            state.follow(mode)
+            return
+        state = _HookState(mode)
+        try:
+            self._model.register_comm_hook(state, scaled_allreduce_hook)
+        except RuntimeError as error:
+            raise ValueError(
+                "`mode='deferred'` folds its factor into DDP's gradient all-reduce with a communication hook, but the"
+                f" model already has one ({error}): remove your own `register_comm_hook`, or use `mode='lookahead'`."
+            ) from error
+        object.__setattr__(self._model, _HOOK_STATE, state)
 
     def after_backward(self, factor: Callable[[], Tensor]) -> None:
         pass  # the reduction applied it
+
+
+_HOOK_STATE = "_token_mean_hook_state"
+
+
+class _HookState:
+    """The state of deferred's communication hook: the mode training the model now, held weakly. The reducer (C++)
+    holds this state, and the mode leads back to the DDP wrapper: a strong reference would make a cycle through C++
+    that ``gc`` never frees, keeping DDP and the process group (its gloo threads) alive into interpreter
+    finalization, where a thread that still has to take the GIL aborts the process (``_exit``)."""
+
+    def __init__(self, mode: Deferred) -> None:
+        self._mode = weakref.ref(mode)
+
+    def follow(self, mode: Deferred) -> None:
+        self._mode = weakref.ref(mode)
+
+    def __call__(self) -> Deferred | None:
+        return self._mode()
 
 
 class UnreducedParameters:

@@ -250,6 +250,22 @@ def fabric_host_batches(loader: Any) -> tuple[Iterable[Any], Callable[[Any], Any
     return loader._dataloader, lambda batch: move_data_to_device(batch, device)
 
 
+def fabric_loader_pass(loader: Any, restore: int | None) -> int | None:
+    """The pass counter of a loader from ``fabric.setup_dataloaders`` as its next ``iter()`` will use it (the epoch
+    its sampler orders by), first set to ``restore`` when given; None for any other iterable.
+
+    Relies on: ``_FabricDataLoader.__iter__`` calls ``_set_sampler_epoch(_dataloader, _num_iter_calls)`` and then
+    increments ``_num_iter_calls``, which starts at 0 with the loader (a ``set_epoch`` of the user's is overwritten).
+    """
+    from lightning.fabric.wrappers import _FabricDataLoader
+
+    if not isinstance(loader, _FabricDataLoader):
+        return None
+    if restore is not None:
+        loader._num_iter_calls = restore
+    return int(loader._num_iter_calls)
+
+
 def fabric_strategy_of(model: Any) -> Any:
     """The strategy that set up ``model`` (a ``_FabricModule``'s ``_strategy``)."""
     from lightning.fabric.wrappers import _unwrap_compiled
@@ -272,6 +288,7 @@ __all__ = [
     "checkpoint_loader_states",
     "epoch_position",
     "fabric_host_batches",
+    "fabric_loader_pass",
     "fabric_modules",
     "fabric_strategy_of",
     "has_loader_states_to_load",

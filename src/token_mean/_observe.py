@@ -37,6 +37,7 @@ class MonitorSettings:
     rtol: float
     atol: float
     on_divergence: OnDivergence
+    monitor: str  # the front end's monitor class, named in messages
 
     @staticmethod
     def checked(
@@ -48,6 +49,7 @@ class MonitorSettings:
         atol: object,
         on_divergence: object,
         interval_default: str,
+        monitor: str,
     ) -> MonitorSettings:
         """The settings, or an error naming the argument, its value and the fix."""
         if logging_interval is not None and (
@@ -75,7 +77,8 @@ class MonitorSettings:
             )
         prefix = f"{prefix}/" if prefix and not prefix.endswith("/") else prefix
         return MonitorSettings(
-            logging_interval, prefix, record, reference, float(rtol), float(atol), on_divergence  # type: ignore[arg-type]
+            logging_interval, prefix, record, reference, float(rtol), float(atol), on_divergence,  # type: ignore[arg-type]
+            monitor,
         )
 
 
@@ -90,7 +93,7 @@ class Observer:
         self.settings = settings
         self.first_divergence: Divergence | None = None
         self._reference = None if settings.reference is None else TraceComparison(
-            settings.reference, settings.rtol, settings.atol
+            settings.reference, settings.rtol, settings.atol, settings.monitor
         )
         self._writer: TraceWriter | None = None
         self._warned_past_reference = False

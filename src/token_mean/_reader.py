@@ -9,6 +9,7 @@ Lightning (or the loop) its items.
 
 from __future__ import annotations
 
+import weakref
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -16,6 +17,8 @@ from typing import Any
 
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
+
+from token_mean import _torch
 
 UNKNOWN_END = 2**62
 """A stream's end before its first window opens."""
@@ -32,18 +35,53 @@ class Entry:
 
 
 @dataclass(frozen=True)
+class _Memory:
+    """The storages a batch's tensors use, each with the tensors on it (weakly) and their version counters.
+
+    A batch that shares a storage with another is a refilled buffer, unless both hold the very same tensors there,
+    unchanged since the other was read: a loader that yields one batch again (a one-batch epoch cycled, a dataset of
+    stored tensors) without writing to it.
+    """
+
+    tensors: dict[int, tuple[tuple[weakref.ref[Tensor], int], ...]]
+
+    def shares(self, other: _Memory) -> bool:
+        return not self.tensors.keys().isdisjoint(other.tensors)
+
+    def overwrites(self, other: _Memory) -> bool:
+        for storage, own in self.tensors.items():
+            held = other.tensors.get(storage)
+            if held is not None and not _same(own, held):
+                return True
+        return False
+
+
+_NO_MEMORY = _Memory({})
+
+
+def _same(own: tuple[tuple[weakref.ref[Tensor], int], ...], held: tuple[tuple[weakref.ref[Tensor], int], ...]) -> bool:
+    return len(own) == len(held) and all(
+        (tensor := ref()) is not None and tensor is held_ref() and version == held_version
+        for (ref, version), (held_ref, held_version) in zip(own, held, strict=True)
+    )
+
+
+@dataclass(frozen=True)
 class _Held:
     item: Any
     entry: Entry
     state: Any  # the loaders' state before this item was read (stateful loaders only)
-    storages: frozenset[int]
+    storages: _Memory
 
 
-def _storages(item: Any) -> frozenset[int]:
+def _storages(item: Any) -> _Memory:
     leaves, _ = tree_flatten(item)
-    return frozenset(
-        leaf.untyped_storage().data_ptr() for leaf in leaves if isinstance(leaf, Tensor) and leaf.numel() > 0
-    )
+    tensors: dict[int, tuple[tuple[weakref.ref[Tensor], int], ...]] = {}
+    for leaf in leaves:
+        if isinstance(leaf, Tensor) and leaf.numel() > 0:
+            storage = leaf.untyped_storage().data_ptr()
+            tensors[storage] = (*tensors.get(storage, ()), (weakref.ref(leaf), _torch.version(leaf)))
+    return _Memory(tensors)
 
 
 class Reader:
@@ -55,7 +93,8 @@ class Reader:
     the end of its open window until the ranks agree it goes on (:meth:`extend_to`). A rank whose loader runs out
     before that repeats its last real batch as a zero-weight filler; a ``None`` batch becomes a filler too, so every
     rank trains the same positions. A batch read while others are held or in flight (read ahead, or prefetched from a
-    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them.
+    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them (the same
+    tensors yielded again, unchanged since, do not).
 
     Args:
         raw_next: the next item of the loader; raises ``StopIteration`` at its end.
@@ -75,8 +114,8 @@ class Reader:
         self._position = 0  # of the next item handed out
         self._held: deque[_Held] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
-        self._current_storages: frozenset[int] = frozenset()
-        self._previous_storages: frozenset[int] = frozenset()  # of the last real batch read
+        self._current_storages = _NO_MEMORY
+        self._previous_storages = _NO_MEMORY  # of the last real batch read
         self._real_reads = 0
         self._limit: int | None = None
         self._restarted = False
@@ -101,7 +140,7 @@ class Reader:
         self._held.clear()
         self._entries.clear()
         self.current = None
-        self._current_storages = frozenset()
+        self._current_storages = _NO_MEMORY
 
     def adopt(self, items: list[Any]) -> None:
         """Raw items the loop had read before the reader was installed: they come first."""
@@ -238,20 +277,20 @@ class Reader:
             return False
         return self._source.yields_more()
 
-    def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, frozenset[int]]:
+    def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, _Memory]:
         """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
         not finished its backward, so a batch sharing its memory would overwrite it."""
         if self._limit is not None and position >= self._limit:
             self._source.stop()
         item, filler = self._source.next()
         if filler:
-            return item, Entry(position, filler=True), frozenset()
+            return item, Entry(position, filler=True), _NO_MEMORY
         storages = _storages(item)
-        self.refills = self.refills or bool(storages & self._previous_storages)
+        self.refills = self.refills or storages.shares(self._previous_storages)  # a prior: not known to be fresh
         self._previous_storages = storages
         self._real_reads += 1
-        in_use = any(storages & held.storages for held in self._held)
-        aliased = in_use or (in_flight and bool(storages & self._current_storages))
+        in_use = any(storages.overwrites(held.storages) for held in self._held)
+        aliased = in_use or (in_flight and storages.overwrites(self._current_storages))
         return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
 
 class _Source:

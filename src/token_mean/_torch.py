@@ -61,6 +61,28 @@ def fsdp_reduces_gradients(model: Module) -> list[bool]:
     ]
 
 
+def drop_fsdp_unreduced_gradients(model: Module) -> None:
+    """Drop what FSDP2 holds of backwards that did not reduce (``set_requires_gradient_sync(False)``): the partial
+    gradient of a window left unfinished, which ``optimizer.zero_grad()`` does not reach and the next reducing
+    backward would add in. A no-op for a model without FSDP2 modules.
+
+    Relies on: ``FSDPParamGroup.post_backward`` with ``reduce_grads`` False keeps each ``FSDPParam``'s gradient as
+    ``_unsharded_param.grad`` (or, for another reduce dtype, ``unsharded_accumulated_grad``), and the next reducing
+    ``post_backward`` reduce-scatters it with the new one.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for parameter in group.fsdp_params:
+                parameter.unsharded_accumulated_grad = None
+                unsharded = getattr(parameter, "_unsharded_param", None)
+                if unsharded is not None:
+                    unsharded.grad = None
+
+
 def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
     """``tensors *= factor`` in one fused kernel per device and dtype (what ``clip_grad_norm_`` uses).
 
@@ -133,9 +155,19 @@ def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     return set(getattr(model, "parameters_to_ignore", ()) or ())
 
 
+def version(tensor: Tensor) -> int:
+    """The tensor's version counter: every in-place change of it (or of a view of its storage) increments it.
+
+    Relies on: ``Tensor._version``, autograd's counter, shared by a tensor and its views and bumped by in-place ops
+    and ``copy_`` (not by writes through a NumPy array or a raw pointer).
+    """
+    return int(tensor._version)
+
+
 __all__ = [
     "Reduction",
     "ddp_ignored",
+    "drop_fsdp_unreduced_gradients",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
     "multiply_",
@@ -144,4 +176,5 @@ __all__ = [
     "rebuild_ddp_buckets",
     "shadow_ddp_backward",
     "to_device",
+    "version",
 ]

@@ -85,7 +85,7 @@ def _step(raw: object, path: Path, line: int) -> int:
     return value
 
 
-def _text_lines(path: Path, file: IO[bytes]) -> Iterator[str]:
+def _text_lines(path: Path, file: IO[bytes], writer: str) -> Iterator[str]:
     """The file's lines as text, each decoded on its own so that a bad byte is reported with its line."""
     for line_number, raw in enumerate(file, start=1):
         try:
@@ -95,7 +95,7 @@ def _text_lines(path: Path, file: IO[bytes]) -> Iterator[str]:
                 path,
                 line_number,
                 f"byte {raw[error.start]:#04x} at column {error.start + 1} is not UTF-8. A trace is the UTF-8 text"
-                " `DenominatorMonitor(record=...)` writes: is this a binary file, or text saved as Latin-1?",
+                f" `{writer}(record=...)` writes: is this a binary file, or text saved as Latin-1?",
             ) from None
         if line_number == 1 and text.startswith(_BOM):
             text = text[1:]  # spreadsheet programs write one ("CSV UTF-8"); it is not part of the first column's name
@@ -104,15 +104,15 @@ def _text_lines(path: Path, file: IO[bytes]) -> Iterator[str]:
         yield text
 
 
-def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[tuple[int, list[str]]]:
+def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str], writer: str) -> Iterator[tuple[int, list[str]]]:
     """(line number, the cells of ``REQUIRED_COLUMNS`` and ``extra``, empty where absent) per data row of a CSV
     trace."""
-    reader = csv.reader(_text_lines(path, file))
+    reader = csv.reader(_text_lines(path, file, writer))
     try:
         header = next((row for row in reader if row), None)
         if header is None:
             return
-        _check_columns(path, header)
+        _check_columns(path, header, writer)
         repeated = sorted(column for column in REQUIRED_COLUMNS if header.count(column) > 1)
         if repeated:
             raise _malformed(path, reader.line_num, f"the header names the columns {repeated} more than once.")
@@ -131,10 +131,10 @@ def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[tup
         raise _malformed(path, reader.line_num, f"not CSV ({error}).") from None
 
 
-def _jsonl_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[tuple[int, list[object]]]:
+def _jsonl_rows(path: Path, file: IO[bytes], extra: Sequence[str], writer: str) -> Iterator[tuple[int, list[object]]]:
     """(line number, the values of ``REQUIRED_COLUMNS`` and ``extra``, None where absent) per line of a JSON Lines
     trace."""
-    for line_number, line in enumerate(_text_lines(path, file), start=1):
+    for line_number, line in enumerate(_text_lines(path, file, writer), start=1):
         if not line.strip():
             continue
         try:
@@ -145,22 +145,25 @@ def _jsonl_rows(path: Path, file: IO[bytes], extra: Sequence[str]) -> Iterator[t
             raise _malformed(path, line_number, f"not JSON ({error}).") from None
         if not isinstance(record, dict):
             raise _malformed(path, line_number, f"expected one JSON object per line, got {type(record).__name__}.")
-        _check_columns(path, list(record), line_number)
+        _check_columns(path, list(record), writer, line_number)
         yield line_number, [record[column] for column in REQUIRED_COLUMNS] + [record.get(column) for column in extra]
 
 
-def _check_columns(path: Path, columns: list[str], line: int | None = None) -> None:
+def _check_columns(path: Path, columns: list[str], writer: str, line: int | None = None) -> None:
     missing = [column for column in REQUIRED_COLUMNS if column not in columns]
     if missing:
         where = "" if line is None else f", line {line}"
         raise ValueError(
             f"The trace {str(path)!r}{where} lacks the columns {missing} (it has {columns}); a reference must hold"
-            f" {list(REQUIRED_COLUMNS)}. Record it with `DenominatorMonitor(record=...)`."
+            f" {list(REQUIRED_COLUMNS)}. Record it with `{writer}(record=...)`."
         )
 
 
 def read_trace(
-    path: str | os.PathLike[str], argument: str = "reference", extra: Sequence[str] = ()
+    path: str | os.PathLike[str],
+    argument: str = "reference",
+    extra: Sequence[str] = (),
+    writer: str = "DenominatorMonitor",
 ) -> dict[int, TraceRow]:
     """Load a trace written by ``DenominatorMonitor(record=...)``: step → the compared columns (``None`` where empty).
 
@@ -168,7 +171,8 @@ def read_trace(
     column; the others are not even parsed), one small dict per step, in
     one linear pass (``tests/test_trace.py`` reads 100,000 steps). A UTF-8 byte-order mark is accepted; anything else
     the writer would not have written is an error naming the file and the line. ``argument`` names the file in
-    messages (the monitor's ``reference``, or a command line's argument).
+    messages (the monitor's ``reference``, or a command line's argument), ``writer`` the monitor that records one
+    (``FabricMonitor`` under Fabric).
 
     Raises:
         FileNotFoundError: if ``path`` does not exist.
@@ -195,11 +199,11 @@ def read_trace(
         >>> folder.cleanup()
     """
     path = Path(path)
-    fmt = _readable_format(path, argument)
+    fmt = _readable_format(path, argument, writer)
     trace: dict[int, TraceRow] = {}
     previous: int | None = None
     with path.open("rb") as file:
-        rows = _csv_rows(path, file, extra) if fmt == "csv" else _jsonl_rows(path, file, extra)
+        rows = _csv_rows(path, file, extra, writer) if fmt == "csv" else _jsonl_rows(path, file, extra, writer)
         for line, (raw_step, *raw_values) in rows:
             step = _step(raw_step, path, line)
             # Steps increase, so the previous step is the largest so far: one comparison per row, never max(trace).
@@ -217,17 +221,17 @@ def read_trace(
     return trace
 
 
-def _readable_format(path: Path, argument: str) -> str:
+def _readable_format(path: Path, argument: str, writer: str) -> str:
     fmt = trace_format(path, argument)
     if path.is_dir():
         raise IsADirectoryError(
             f"The {argument} trace {str(path)!r} is a directory. Pass the file that"
-            " `DenominatorMonitor(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
+            f" `{writer}(record=...)` wrote, e.g. 'runs/reference/trace.csv'."
         )
     if not path.exists():
         raise FileNotFoundError(
             f"The {argument} trace {str(path)!r} does not exist. Record one first with"
-            f" `DenominatorMonitor(record={str(path)!r})`"
+            f" `{writer}(record={str(path)!r})`"
             # the monitor's `reference` is read by every rank of the run; a command line reads it once
             + (", and make it readable on every rank." if argument == "reference" else ".")
         )

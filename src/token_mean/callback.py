@@ -112,7 +112,8 @@ class DenominatorMonitor(Callback):
         self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
         self.audits: list[Audit] = self._auditing.audits  # every audited window of the last fit, in order
         self._settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`"
+            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`",
+            "DenominatorMonitor",
         )
         self.logging_interval = logging_interval
         self._count_fn_arg = count_fn

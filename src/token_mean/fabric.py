@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import itertools
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -46,12 +47,13 @@ from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
 from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._filler import filler_batch
+from token_mean._filler import mark_filler_batch
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._fsdp import AfterReduction, check_reduction, mesh_world
 from token_mean._loaders import agree_on_length
 from token_mean._mode import LossReduction, Mode, StepOutput, WindowMode
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
+from token_mean._progress import Progress
 from token_mean._reader import Reader
 from token_mean._record import World
 from token_mean._window import WindowStats
@@ -67,6 +69,12 @@ class _InFlight:
     batch: Any
     backward_done: bool = False
     finished: bool = False
+
+    @staticmethod
+    def of(flight: _InFlight | None, what: str) -> _InFlight:
+        if flight is None:
+            raise RuntimeError(f"{what} is only defined for a batch that `accumulator.batches(...)` yielded.")
+        return flight
 
     def backward(self) -> None:
         if self.backward_done:
@@ -96,6 +104,15 @@ class _InFlight:
                 f" {self.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
             )
 
+    def left(self, accumulate: int) -> tuple[int | None, int | None]:
+        """The loop left the pass at this batch: ``(position to resume at, None)`` at a window boundary (its window
+        finished, or this batch opens a window and ran no backward), else ``(None, this position)``."""
+        if self.finished:
+            return self.position + 1, None
+        if not self.backward_done and self.position % accumulate == 0:  # windows are K apart from the pass's start
+            return self.position, None
+        return None, self.position
+
     def saved(self) -> None:
         if not self.finished:
             raise RuntimeError(
@@ -121,9 +138,7 @@ class TokenMeanAccumulator:
     valid items over all ranks and micro-batches of the window, exactly as the Trainer strategies do: the same modes,
     counts, checks and errors (see :class:`~token_mean.TokenMeanDDPStrategy`), one collective per window and no host
     read between the window's first forward and its last backward. Every rank yields as many batches: a rank whose
-    loader runs out repeats its last batch at weight zero (:attr:`is_filler`).
-
-    Strategies: one device, ``DDPStrategy`` and ``ModelParallelStrategy`` (see the module docstring).
+    loader runs out repeats its last batch at weight zero (:attr:`is_filler`). Strategies: see the module docstring.
 
     Args:
         fabric: the launched ``Fabric``.
@@ -183,22 +198,18 @@ class TokenMeanAccumulator:
             monitor.auditing.attach(model, self._settings.count_fn, loss_reduction, aux=mode_name == "lookahead")
         self._in_flight: _InFlight | None = None
         self._iterating = False
-        self._passes = 0
-        self._windows = 0  # windows finished over all passes
-        self._resume_position = 0  # batches of the pass to skip, from a checkpoint
-        self._abandoned: int | None = None  # the position where the last pass left a window unfinished
+        self._progress = Progress(layout.world.size)
         self._last_window: WindowStats | None = None
-
 
     @property
     def accumulating(self) -> bool:
         """True while the batch in flight is not its window's last (its gradient must not be reduced yet)."""
-        return not self._flight("`accumulating`").last
+        return not _InFlight.of(self._in_flight, "`accumulating`").last
 
     @property
     def is_filler(self) -> bool:
         """True while the batch in flight is a zero-weight repeat of an exhausted rank."""
-        return self._flight("`is_filler`").filler
+        return _InFlight.of(self._in_flight, "`is_filler`").filler
 
     @property
     def last_window(self) -> WindowStats | None:
@@ -209,12 +220,6 @@ class TokenMeanAccumulator:
     def skipped_steps(self) -> int:
         """Windows that had no valid item on any rank (``finish().skipped``)."""
         return self._mode.skipped_steps
-
-    def _flight(self, what: str) -> _InFlight:
-        if self._in_flight is None:
-            raise RuntimeError(f"{what} is only defined for a batch that `accumulator.batches(...)` yielded.")
-        return self._in_flight
-
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
@@ -228,11 +233,12 @@ class TokenMeanAccumulator:
         if self._iterating:  # two passes made before either started (`zip`)
             raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
         self._iterating = True
+        completed = False
         try:
-            self._passes += 1
-            start, self._resume_position = self._resume_position, 0
-            reader, move = _reader(iterable, start, self._mode, self._settings.pad_uneven_ranks)
-            self._check_abandoned()
+            start, epoch = self._progress.start_pass()
+            reader, move, loader_pass = _reader(iterable, start, epoch, self._mode, self._settings.pad_uneven_ranks)
+            self._progress.reading(loader_pass)
+            _refuse_partial_gradient(self._progress.take_abandoned(), self._model)
             self._mode.start_epoch(reader)
             if self._monitor is not None:
                 self._monitor.start(self._fabric)
@@ -241,32 +247,23 @@ class TokenMeanAccumulator:
                 try:
                     item = reader.next_item()
                 except StopIteration:
+                    completed = True
                     break
                 last = (position + 1) % self._accumulate == 0 or position + 1 >= reader.length
-                step = f"optimizer step {self._windows} (pass {self._passes}"  # 0-based, as traces
+                step = f"optimizer step {self._progress.windows} (pass {self._progress.passes}"  # 0-based, as traces
                 filler = self._mode.begin(position, last, self._accumulate, step)
                 self._in_flight = _InFlight(position, last, filler, move(item[0]))
                 if self._monitor is not None:
                     self._monitor.auditing.micro_batch(self._model, self._in_flight.batch, filler)
-                with filler_batch(filler):
-                    yield self._in_flight.batch
+                mark_filler_batch(filler)  # until its backward: the loop's other code (validation) is not the filler
+                yield self._in_flight.batch
         finally:
             self._iterating = False
-            if self._in_flight is not None and not (self._in_flight.last and self._in_flight.finished):
-                self._abandoned = self._in_flight.position  # a `break` inside a window
-            self._in_flight = None
+            mark_filler_batch(False)
+            flight, self._in_flight = self._in_flight, None
+            self._progress.left(*_where_left(flight, completed, self._accumulate, self._model))
             if self._monitor is not None:
                 self._monitor.stepped(self._model)
-
-    def _check_abandoned(self) -> None:
-        """The last pass ended inside a window: its partial gradient must not go into the next window's update."""
-        position, self._abandoned = self._abandoned, None
-        if position is not None and any(p.grad is not None for p in self._model.parameters()):
-            raise RuntimeError(
-                f"The last pass of `accumulator.batches(...)` ended inside a window (after batch {position}): its"
-                " partial gradient is still in the parameters' `.grad` and would go into the next update. Call"
-                " `optimizer.zero_grad()` before the next pass, or leave passes at a window boundary."
-            )
 
     def _check_previous_batch(self) -> None:
         flight = self._in_flight
@@ -284,13 +281,14 @@ class TokenMeanAccumulator:
         ``num_items``: this micro-batch's count as the model computed it (checked against ``count_fn``; deferred
         mode normalizes by it).
         """
-        flight = self._flight("`accumulator.backward(loss)`")
+        flight = _InFlight.of(self._in_flight, "`accumulator.backward(loss)`")
         flight.backward()
         flight.check_sync(self._sync_flags())
         self._mode.after_forward(flight.batch, StepOutput(loss, aux_loss, num_items, loss))
         scaled = self._mode.scale(loss, 1.0, aux_loss)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         flight.backward_done = True
+        mark_filler_batch(False)
         if not flight.last:
             self._mode.after_backward()
 
@@ -298,12 +296,12 @@ class TokenMeanAccumulator:
         """After the window's last backward: its stats (the window's one host read). The gradient is then the
         window's exact token mean; every rank raises the same :class:`~token_mean.DenominatorError` here if any rank
         had a problem. A window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
-        flight = self._flight("`accumulator.finish()`")
+        flight = _InFlight.of(self._in_flight, "`accumulator.finish()`")
         flight.finish()
         ended = self._mode.after_backward()
         assert ended is not None  # the window's last backward ran
         flight.finished = True
-        self._windows += 1
+        self._progress.windows += 1
         stats = ended.stats if self._monitor is None else self._monitor.finished(self._model, ended.stats)
         self._last_window = stats
         return stats
@@ -317,20 +315,21 @@ class TokenMeanAccumulator:
         flight = self._in_flight
         if flight is not None:
             flight.saved()
-        return {
-            "mode": self._mode.state_dict(),
-            "passes": self._passes - (flight is not None),  # a pass resumed goes on as the same pass
-            "windows": self._windows,
-            "position": 0 if flight is None else flight.position + 1,
-        }
+        return {"mode": self._mode.state_dict(),
+                **self._progress.state_dict(None if flight is None else flight.position + 1)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next ``batches(...)`` skips the batches the saved pass had trained (the loader must yield
-        them in the same order)."""
+        them in the same order; a loader from ``fabric.setup_dataloaders`` gets its saved pass counter back, the
+        epoch its sampler orders by).
+
+        Raises:
+            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
+        """
+        self._progress.load_state_dict(state)
         self._mode.load_state_dict(state["mode"])
-        self._passes = int(state["passes"])
-        self._windows = int(state["windows"])
-        self._resume_position = int(state["position"])
+        if self._monitor is not None:
+            self._monitor.resume_at(self._progress.windows)
 
 
 class FabricMonitor:
@@ -373,7 +372,7 @@ class FabricMonitor:
         loss_reduction: LossReduction = "mean",
     ) -> None:
         settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)"
+            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)", "FabricMonitor"
         )
         schedule = AuditSchedule(audit_every, on_audit_failure, audit_tolerance)
         self.auditing = FabricAuditing(schedule, audit_loss, count_fn or count_valid_labels, loss_reduction)
@@ -389,6 +388,11 @@ class FabricMonitor:
     def first_divergence(self) -> Any:
         """The first divergent window (set on every rank), ``None`` if none or no reference."""
         return self._observer.first_divergence
+
+    def resume_at(self, step: int) -> None:
+        """A resumed run (``accumulator.load_state_dict``): its windows are numbered on from the checkpoint's, as in
+        the uninterrupted run's trace."""
+        self._step = step
 
     def start(self, fabric: Any) -> None:
         """A pass starts (the first one opens the trace)."""
@@ -483,11 +487,12 @@ def _layout(fabric: Any, forward: Any, original: Any) -> tuple[Layout, SyncFlags
 
 
 def _reader(
-    iterable: Iterable[Any], start: int, mode: WindowMode, pad_uneven_ranks: bool
-) -> tuple[Reader, Callable[[Any], Any]]:
+    iterable: Iterable[Any], start: int, epoch: int | None, mode: WindowMode, pad_uneven_ranks: bool
+) -> tuple[Reader, Callable[[Any], Any], int | None]:
     """A pass's reader over ``iterable`` from position ``start`` (a resumed pass skips the batches trained before),
-    and what moves a batch to the device as the loop takes it: the ranks agree on the pass's length first (one
-    collective; a stream's end is agreed window by window).
+    what moves a batch to the device as the loop takes it, and the pass counter of a Fabric loader (its sampler's
+    epoch; ``epoch`` restores a saved one): the ranks agree on the pass's length first (one collective; a stream's
+    end is agreed window by window).
 
     Lookahead reads a window ahead: from a Fabric loader that moves batches to the device, it reads the host batches
     beneath it, counts them there (a count of a device batch would be a host read inside the window), and moves each
@@ -495,6 +500,7 @@ def _reader(
     """
     local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
     length = agree_on_length(mode.channel, local, pad_uneven_ranks)
+    loader_pass = _lightning.fabric_loader_pass(iterable, epoch)
     move: Callable[[Any], Any] = _unchanged
     if mode.name == "lookahead":
         host = _lightning.fabric_host_batches(iterable)
@@ -506,7 +512,44 @@ def _reader(
     if last is not None:  # this rank had run out: its last batch is repeated at weight zero
         reader.adopt([(last,)])
     reader.start_epoch(length, resumed_exhausted=last is not None)
-    return reader, move
+    return reader, move, loader_pass
+
+
+Gradients = list[tuple["weakref.ref[Tensor]", int]]
+"""The parameters' gradients, weakly (one set to None since is freed), each with its version counter."""
+
+
+def _where_left(
+    flight: _InFlight | None, completed: bool, accumulate: int, model: Any
+) -> tuple[int | None, int | None, Gradients | None]:
+    """How a pass ended (``Progress.left``): its loader ran out, or the loop left it at a window boundary (where it
+    stopped) or inside a window (there, with the partial gradient the parameters hold)."""
+    if flight is None or completed:
+        return None, None, None
+    stopped, inside = flight.left(accumulate)
+    if inside is None:
+        return stopped, None, None
+    gradients = [grad for p in model.parameters() if (grad := p.grad) is not None]
+    return None, inside, [(weakref.ref(grad), _torch.version(grad)) for grad in gradients]
+
+
+def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any) -> None:
+    """The last pass ended inside a window: its partial gradient must not go into the next window's update. A
+    gradient set to None or zeroed in place since (``zero_grad(set_to_none=False)``) is no partial window: judged by
+    version counters, the same on every rank that ran the same loop (a look at the values would not be: a rank of
+    fillers holds zeros). FSDP2 holds the partial gradient unsharded, out of the user's reach: it is dropped."""
+    if abandoned is None:
+        return
+    position, gradients = abandoned
+    current = {id(grad): grad for p in model.parameters() if (grad := p.grad) is not None}
+    alive: list[tuple[Tensor, int]] = [(grad, version) for ref, version in gradients if (grad := ref()) is not None]
+    if any(current.get(id(grad)) is grad and _torch.version(grad) == version for grad, version in alive):
+        raise RuntimeError(
+            f"The last pass of `accumulator.batches(...)` ended inside a window (after batch {position}): its"
+            " partial gradient is still in the parameters' `.grad` and would go into the next update. Call"
+            " `optimizer.zero_grad()` before the next pass, or leave passes at a window boundary."
+        )
+    _torch.drop_fsdp_unreduced_gradients(model)  # FSDP2 keeps the window's partial gradient where no zero_grad goes
 
 
 def _unchanged(batch: Any) -> Any:
