@@ -1107,7 +1107,7 @@ def test_len_understates_the_loader(tmp_path: Path, mode: str) -> None:
                                                                   accumulate_grad_batches=3))
     assert len(set(errors)) == 1, errors
     assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
-    assert "optimizer step 4 (epoch 0, batches 9..9)" in errors[0], errors[0]
+    assert "optimizer step 3 (epoch 0, batches 9..9)" in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
