@@ -93,8 +93,7 @@ class Reader:
     the end of its open window until the ranks agree it goes on (:meth:`extend_to`). A rank whose loader runs out
     before that repeats its last real batch as a zero-weight filler; a ``None`` batch becomes a filler too, so every
     rank trains the same positions. A batch read while others are held or in flight (read ahead, or prefetched from a
-    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them (the same
-    tensors yielded again, unchanged since, do not).
+    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them.
 
     Args:
         raw_next: the next item of the loader; raises ``StopIteration`` at its end.
@@ -122,9 +121,7 @@ class Reader:
         self.refills = False  # a real batch shared memory with the one read before it
         self.current: Entry | None = None  # the entry handed out last (None before the epoch's first)
 
-    # ---------------------------------------------------------------------------------------------------------
-    # the epoch
-    # ---------------------------------------------------------------------------------------------------------
+    # ---- the epoch ----
 
     def start_epoch(self, length: int | None, resumed_exhausted: bool = False, limit: int | None = None) -> None:
         """A new pass over the loader (``length`` None: a stream); ``resumed_exhausted``: this rank's loader had run
@@ -188,9 +185,7 @@ class Reader:
         """The position of the next item handed out."""
         return self._position
 
-    # ---------------------------------------------------------------------------------------------------------
-    # the loop's side
-    # ---------------------------------------------------------------------------------------------------------
+    # ---- the loop's side ----
 
     def next_item(self) -> Any:
         if not self._started:
@@ -220,9 +215,7 @@ class Reader:
         still holds real batches to hand out."""
         return self.exhausted and (not self._held or self._held[0].entry.filler)
 
-    # ---------------------------------------------------------------------------------------------------------
-    # the modes' side
-    # ---------------------------------------------------------------------------------------------------------
+    # ---- the modes' side ----
 
     def entry(self, position: int) -> Entry:
         """The entry at ``position``, reading ahead to it if needed; earlier entries are dropped."""
@@ -270,9 +263,8 @@ class Reader:
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
     def yields_past_end(self) -> bool:
-        """Whether the loader still yields a batch past the sized epoch's end (read and dropped). Only asked where
-        the epoch was not limited and the loader is known to yield fresh memory: a loader that refills one buffer
-        would overwrite the batch in flight, nor after a mid-epoch resume that restarted a loader without a state."""
+        """Whether the loader yields a batch past the sized epoch's end (read and dropped); not asked of a limited
+        epoch, a loader not known to yield fresh memory, or one a mid-epoch resume restarted without a state."""
         if not self.sized or self._limit is not None or self._restarted or not self.fresh or self._source.exhausted:
             return False
         return self._source.yields_more()

@@ -209,10 +209,8 @@ class DenominatorMonitor(Callback):
         norms = (gradient, _param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
         audit_error = None if audit is None else audit.error
         metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
-        log_now = _should_log(trainer, self.logging_interval, step) or divergent or audit_error is not None
-        if log_now and trainer.is_global_zero:
-            for logger in trainer.loggers:
-                logger.log_metrics(metrics, step=step)
+        if _should_log(trainer, self.logging_interval, step) or divergent or audit_error is not None:
+            _log_metrics(trainer, metrics, step)
 
     def _published(self, step: int) -> WindowStats | None:
         """The strategy's stats of the window that just ended (None, with a warning once, if it published none)."""
@@ -251,6 +249,12 @@ def _bar_values(stats: WindowStats) -> dict[str, float]:
 
 def _param_norm(trainer: Trainer, pl_module: LightningModule) -> Tensor | None:
     return global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
+
+
+def _log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
+    if trainer.is_global_zero:
+        for logger in trainer.loggers:
+            logger.log_metrics(metrics, step=step)
 
 
 def _should_log(trainer: Trainer, interval: int | None, step: int) -> bool:
