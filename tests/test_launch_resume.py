@@ -87,6 +87,15 @@ def test_subprocess_launcher_both_modes(tmp_path: Path) -> None:
     assert run == {"environment": "LightningEnvironment", "world_size": 2, "num_nodes": 1}
 
 
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_plain_ddp_with_the_monitor_frees_its_process_group_before_exit(tmp_path: Path) -> None:
+    """The monitor measures on the default group under plain `DDPStrategy`, which never destroys it: the monitor
+    registers the package's exit handler, so those processes exit without a live gloo group too."""
+    run_job([script(tmp_path, "--mode", "plain")], tmp_path / "logs")
+    assert_process_group_destroyed_before_exit(tmp_path)
+
+
 class DestroyProcessGroup(Callback):
     """What a distributed script does before it exits (torch warns when it does not).
 

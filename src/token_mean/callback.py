@@ -26,6 +26,7 @@ from token_mean._audit import Audit, Auditor, AuditSchedule, MicroBatch, Objecti
 from token_mean._compare import Divergence
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
+from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._hooks import TokenMeanStrategy
 from token_mean._measure import MeasuredWindow, default_world
@@ -360,7 +361,12 @@ class _Measuring:
         self._window: MeasuredWindow | None = None  # the window being measured
 
     def start(self, device: torch.device) -> None:
-        self._channel = Channel(default_world(device), rank_counts=True)
+        world = default_world(device)
+        if world.distributed:
+            # the measurement's collectives run on the default group, which a plain strategy never destroys: a
+            # gloo group alive when the interpreter finalizes can abort the exit (token_mean._exit)
+            destroy_process_group_at_exit()
+        self._channel = Channel(world, rank_counts=True)
 
     def reset(self) -> None:
         self._window = None

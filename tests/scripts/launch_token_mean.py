@@ -40,12 +40,13 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import DDPStrategy
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _harness import Batch, Recorder, TokenModule, ragged_batches
 from _jobs import ExitReport
 
-from token_mean import TokenMeanDDPStrategy
+from token_mean import DenominatorMonitor, TokenMeanDDPStrategy
 
 DATA_SEED, BATCHES, ACCUMULATE, EPOCHS = 11, 7, 3, 2
 LEAVE_AT_BATCH = 1  # inside the first window (K = 3): rank 0 next waits in the window's collective
@@ -89,7 +90,10 @@ class RunInfo(Callback):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
-    parser.add_argument("--mode", nargs="+", choices=("lookahead", "deferred"), default=["lookahead"])
+    parser.add_argument(
+        "--mode", nargs="+", choices=("lookahead", "deferred", "plain"), default=["lookahead"],
+        help="plain: DDPStrategy with a DenominatorMonitor, which measures on the default process group",
+    )
     parser.add_argument("--start-method", choices=("popen", "spawn", "fork"), default="popen", help="not torchrun")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one process per node (torchrun)")
     parser.add_argument("--rank1", choices=("stall",), help="make rank 1 stop answering")
@@ -105,12 +109,18 @@ def main() -> None:
         out: Path = args.out / mode
         out.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
-        strategy = TokenMeanDDPStrategy(
-            mode=mode, start_method=args.start_method, process_group_backend="gloo", **kwargs
-        )
+        strategy: DDPStrategy
+        callbacks: list[Callback] = [Recorder(out), RunInfo(out)]
+        if mode == "plain":
+            strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo", **kwargs)
+            callbacks.append(DenominatorMonitor())
+        else:
+            strategy = TokenMeanDDPStrategy(
+                mode=mode, start_method=args.start_method, process_group_backend="gloo", **kwargs
+            )
         trainer = pl.Trainer(
             accelerator="cpu", devices=2 // args.nodes, num_nodes=args.nodes, strategy=strategy,
-            accumulate_grad_batches=ACCUMULATE, max_epochs=EPOCHS, callbacks=[Recorder(out), RunInfo(out)],
+            accumulate_grad_batches=ACCUMULATE, max_epochs=EPOCHS, callbacks=callbacks,
             logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
             use_distributed_sampler=False, num_sanity_val_steps=0,
         )
