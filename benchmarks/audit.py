@@ -54,7 +54,7 @@ class Settings:
     lm_batch_size: int
 
 
-FULL = Settings(audit_every=100, steps=200, repeats=3, accumulate=2, lm_batch_size=1)
+FULL = Settings(audit_every=100, steps=200, repeats=5, accumulate=2, lm_batch_size=1)
 QUICK = Settings(audit_every=10, steps=20, repeats=2, accumulate=2, lm_batch_size=1)
 
 
