@@ -1062,6 +1062,25 @@ def test_k_changed_by_a_callback(tmp_path: Path, mode: str, before: int, at: int
         assert_exact(params, expected)
 
 
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [
+    "lookahead",
+    pytest.param("deferred", marks=pytest.mark.xfail(
+        strict=True, reason="deferred ends the stream's epoch by the old K's windows: 5 optimizer steps, not 4")),
+    "plain",
+])
+def test_k_changed_at_a_window_start_of_a_stream(tmp_path: Path, mode: str) -> None:
+    """The same ramp on a stream: the window recounted where K changed reaches past the end the last window's
+    record agreed on, and Lightning's fetcher follows it (without, lookahead's loop ended its window early)."""
+    before, at, after, batches, windows, _ = dict(K_RAMPS)["at-a-window-start"]
+    data = ragged(2, batches, seed=211)
+    module, strategy = TokenModule(data, iterable=True), strategy_for(mode, timeout=SHORT_TIMEOUT)
+    params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=before, callbacks=[SetsK(at, after)])
+    expected, _ = reference_steps([[rank[i] for rank in data for i in window] for window in windows])
+    assert summary_of(tmp_path)["global_step"] == len(windows), "optimizer steps"
+    (assert_misses if mode == "plain" else assert_exact)(params, expected)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a loader whose __len__ understates what it yields (a token-budget sampler with an estimated length)
 #

@@ -176,6 +176,7 @@ class TokenMeanStrategy(ParallelStrategy):
         position, last = _lightning.batch_position(trainer)
         self._epoch.train(position, trainer.accumulate_grad_batches)
         filler = mode.begin(position, last, trainer.accumulate_grad_batches, _step_name(trainer))
+        self._epoch.follow_stream(trainer, self._reader)
         with filler_batch(filler):
             output = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
         mode.after_forward(args[0] if args else kwargs.get("batch"), output)
@@ -274,6 +275,13 @@ class _Epoch:
                 f" {accumulate} micro-batches (plain Lightning does the same), exact for those windows but not the"
                 " uninterrupted run. Resume from a checkpoint written at the end of an epoch to keep the schedule."
             )
+
+    @staticmethod
+    def follow_stream(trainer: pl.Trainer, reader: Reader | None) -> None:
+        """A stream's epoch ends where the ranks agreed: a window recounted where it starts, because a callback
+        changed K there, reaches further than the end the last window's record agreed on."""
+        if reader is not None and not reader.sized:
+            _lightning.set_epoch_length(trainer, reader.length)
 
     def leave_if_left(self, trainer: pl.Trainer, mode: WindowMode, distributed: bool) -> None:
         """This rank's epoch ended at a batch it did not train: meet the others where they are (the batch starts
