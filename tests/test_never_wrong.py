@@ -1063,15 +1063,11 @@ def test_k_changed_by_a_callback(tmp_path: Path, mode: str, before: int, at: int
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", [
-    "lookahead",
-    pytest.param("deferred", marks=pytest.mark.xfail(
-        strict=True, reason="deferred ends the stream's epoch by the old K's windows: 5 optimizer steps, not 4")),
-    "plain",
-])
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
 def test_k_changed_at_a_window_start_of_a_stream(tmp_path: Path, mode: str) -> None:
-    """The same ramp on a stream: the window recounted where K changed reaches past the end the last window's
-    record agreed on, and Lightning's fetcher follows it (without, lookahead's loop ended its window early)."""
+    """The same ramp on a stream: the last window's record agreed that the stream goes on by one window, which is
+    a window of the new K; Lightning's fetcher follows that end (without, lookahead raised and deferred stepped by
+    the old K's windows: 5 steps, not 4)."""
     before, at, after, batches, windows, _ = dict(K_RAMPS)["at-a-window-start"]
     data = ragged(2, batches, seed=211)
     module, strategy = TokenModule(data, iterable=True), strategy_for(mode, timeout=SHORT_TIMEOUT)

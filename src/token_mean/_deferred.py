@@ -74,6 +74,8 @@ class Deferred(WindowMode):
     def begin(self, position: int, last: bool, accumulate: int, step: str) -> bool:
         open_ = self._open
         if open_ is None:
+            if not self.reader.sized:  # the stream goes on by one window of the K in force (a callback may change it)
+                self.reader.extend_to(self.reader.window_stop(position, accumulate))
             open_ = self._open = _Open(self._window(position, accumulate, step))
         else:  # a callback may change K inside the window: the window ends where Lightning steps
             self._changed_inside(open_.window, position, accumulate, stop_kept=True)
