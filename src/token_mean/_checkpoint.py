@@ -37,14 +37,24 @@ def this_rank(state: Mapping[str, Any], world_size: int, rank: int) -> RankPosit
     ranks = state.get("loader_ranks")
     if ranks is None:
         return None
-    if len(ranks) != world_size:
-        raise ValueError(
-            f"token_mean: the checkpoint was written mid-epoch by {len(ranks)} processes, each at its own position in"
-            f" its shard, but it is resumed with {world_size} processes. Resume mid-epoch with {len(ranks)}"
-            " processes, or from a checkpoint written at the end of an epoch."
-        )
+    check_same_world(len(ranks), world_size, "an epoch", "a checkpoint written at the end of an epoch")
     own = ranks[rank]
     return RankPosition(own["loaders"], bool(own["exhausted"]))
 
 
-__all__ = ["RankPosition", "every_rank", "this_rank"]
+def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> None:
+    """Refuse a checkpoint written in the middle of ``unit`` (an epoch, a Fabric pass) by ``saved`` processes and
+    resumed with ``world_size``: each rank stood at its own position in its own shard.
+
+    Raises:
+        ValueError: naming both numbers and the two ways to resume.
+    """
+    if saved != world_size:
+        raise ValueError(
+            f"token_mean: the checkpoint was written in the middle of {unit} by {saved} processes, each at its own"
+            f" position in its shard, but it is resumed with {world_size} processes: the batches each rank skips"
+            f" would not be the ones it trained. Resume with {saved} processes, or from {instead}."
+        )
+
+
+__all__ = ["RankPosition", "check_same_world", "every_rank", "this_rank"]

@@ -13,6 +13,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from token_mean._checkpoint import check_same_world
+
 
 class Progress:
     """Passes and windows so far, and where the next pass starts (identical on every rank)."""
@@ -81,13 +83,9 @@ class Progress:
         """
         position = int(state["position"])
         saved_world = state.get("world_size")
-        if position > 0 and saved_world is not None and int(saved_world) != self.world_size:
-            raise ValueError(
-                f"token_mean: the checkpoint was written in the middle of a pass by {saved_world} processes, each at"
-                f" its own position in its shard, but it is resumed with {self.world_size} processes: the batches"
-                f" each rank skips would not be the ones it trained. Resume with {saved_world} processes, or from a"
-                " checkpoint written between passes (after `accumulator.batches(...)` ran to its end)."
-            )
+        if position > 0 and saved_world is not None:
+            check_same_world(int(saved_world), self.world_size, "a pass",
+                             "a checkpoint written between passes (after `accumulator.batches(...)` ran to its end)")
         self.passes = int(state["passes"])
         self.windows = int(state["windows"])
         epoch = state.get("loader_epoch")
