@@ -679,9 +679,10 @@ def test_finish_before_the_last_micro_batchs_backward(mode: str) -> None:
 
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("when", ["before-the-pass", "after-the-pass"])
-@pytest.mark.parametrize("what", ["accumulating", "is_filler", "backward", "finish"])
+@pytest.mark.parametrize("what", ["accumulating", "is_filler_batch", "backward", "finish"])
 def test_the_batch_in_flight_outside_a_pass(mode: str, when: str, what: str) -> None:
-    """``accumulating``, ``is_filler``, ``backward`` and ``finish`` are only defined for a batch the pass yielded."""
+    """``accumulating``, ``backward`` and ``finish`` are only defined for a batch the pass yielded; outside one, no
+    micro-batch is a filler (``is_filler_batch`` and its first name ``is_filler`` are False, as under the Trainer)."""
     _, model, optimizer, accumulator, data = one_device(mode)
     loss = shifted_loss(model, data[0])
     if when == "after-the-pass":
@@ -691,11 +692,14 @@ def test_the_batch_in_flight_outside_a_pass(mode: str, when: str, what: str) -> 
                 accumulator.finish()
                 optimizer.step()
                 optimizer.zero_grad()
+    if what == "is_filler_batch":
+        assert accumulator.is_filler_batch is False and accumulator.is_filler is False
+        return
     actions: dict[str, Callable[[], Any]] = {
-        "accumulating": lambda: accumulator.accumulating, "is_filler": lambda: accumulator.is_filler,
+        "accumulating": lambda: accumulator.accumulating,
         "backward": lambda: accumulator.backward(loss), "finish": accumulator.finish,
     }
-    name = f"`{what}`" if what in ("accumulating", "is_filler") else rf"`accumulator\.{what}\((loss)?\)`"
+    name = "`accumulating`" if what == "accumulating" else rf"`accumulator\.{what}\((loss)?\)`"
     with pytest.raises(RuntimeError, match=rf"{name} is only defined for a batch that `accumulator\.batches\(\.\.\.\)`"
                                            " yielded"):
         actions[what]()

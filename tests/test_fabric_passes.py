@@ -216,25 +216,43 @@ def train_and_validate(fabric: Fabric, data: list[list[Batch]], validation: list
     ``validation`` (every other batch). ``old_lifetime``: the validation runs inside the filler mark of the batch
     in flight, as when the mark covered the whole loop body (the control)."""
     from token_mean import TokenMeanLoss
-    from token_mean._filler import filler_batch
 
     model, optimizer = setup(fabric)
     accumulator = accumulator_for(fabric, model, mode)
     steps = []
     for batch in accumulator.batches(data[data_rank(fabric)]):
+        filler = accumulator.is_filler_batch  # from the yield to the backward
         if not train_on(fabric, model, optimizer, accumulator, batch):
             continue
         metric = TokenMeanLoss().to(fabric.device)
-        mark = filler_batch(accumulator.is_filler) if old_lifetime else contextlib.nullcontext()
+        mark = _old_mark(filler) if old_lifetime else contextlib.nullcontext()
         with mark, torch.no_grad():
             for val_batch in validation[fabric.global_rank::2]:
                 metric.update(shifted_loss(model, val_batch), shifted_count(val_batch))
         value = float(metric.compute())
         with metric.sync_context():
             count = float(metric.count)
-        steps.append({"loss": value, "count": count, "params": full_state(model),
-                      "filler": accumulator.is_filler})
+        steps.append({"loss": value, "count": count, "params": full_state(model), "filler": filler,
+                      "after_backward": accumulator.is_filler_batch})
     return steps
+
+
+class _Marked:
+    def __init__(self, filler: bool) -> None:
+        self.is_filler = filler
+
+
+@contextlib.contextmanager
+def _old_mark(filler: bool) -> Iterator[None]:
+    """The filler mark over the whole loop body, validation included (its lifetime before the fix)."""
+    from token_mean import _filler
+
+    marked = _Marked(filler)
+    _filler.track(marked)
+    try:
+        yield
+    finally:
+        _filler.track(None)
 
 
 def validation_loss(params: dict[str, Tensor], batches: list[Batch]) -> float:
@@ -265,6 +283,7 @@ def test_validation_after_a_step_whose_last_batch_is_a_filler_counts_every_rank(
     total = float(sum(shifted_count(batch) for batch in validation))
     steps = launched(ddp(), train_and_validate, data, validation, mode, False)
     assert [step["filler"] for step in steps] == [False, False]  # rank 0's view; rank 1's step 2 ends on a filler
+    assert not any(step["after_backward"] for step in steps)
     assert relative_error(steps[-1]["params"], reference(data, K)[0]) < EXACT
     for step in steps:
         assert step["count"] == total

@@ -1,10 +1,10 @@
 """Lookahead and Deferred driven in one process, the way a front end drives them, against a plain-torch reference.
 
 No Lightning and no process group: a ``World.single()`` channel runs no collective. The loop below is what a front end
-does per micro-batch (``begin`` → forward → ``after_forward`` → ``scale`` → backward → ``after_backward``); divisor 1.0
-is a Fabric-like front end, divisor K a Trainer-like one that divided the loss by K before ``scale``. The reference
-(float64, relative 1e-12) imports nothing from ``token_mean``: per window, the gradient of the sum of the per-token
-losses over the window's batches divided by their valid-label count N.
+does per micro-batch (``epoch.micro_batch`` → forward → ``micro.loss_to_backprop`` → backward →
+``micro.backward_done`` → ``micro.window_result`` after the window's last). The reference (float64, relative 1e-12)
+imports nothing from ``token_mean``: per window, the gradient of the sum of the per-token losses over the window's
+batches divided by their valid-label count N.
 """
 
 from __future__ import annotations
@@ -20,13 +20,14 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from token_mean._counts import count_valid_labels
-from token_mean._deferred import Deferred
-from token_mean._fsdp import AfterReduction
+from token_mean._deferred import AfterReduction, Deferred
+from token_mean._epoch import Epoch, Epochs
 from token_mean._lookahead import Lookahead
-from token_mean._mode import Settings, StepOutput, WindowMode, WindowResult
+from token_mean._mode import MicroBatch, Settings, StepOutput, WindowMode
 from token_mean._problems import DenominatorError
 from token_mean._reader import Reader
 from token_mean._record import Channel, World
+from token_mean._window import WindowStats
 
 FEATURES, CLASSES, ROWS, LENGTH = 3, 4, 2, 5
 IGNORE_INDEX = -100
@@ -120,8 +121,9 @@ class Trained:
     """One window as the loop trained it."""
 
     positions: list[tuple[int, bool]]  # (position, filler)
-    result: WindowResult
+    stats: WindowStats
     grads: list[Tensor]
+    epoch_length: int  # where the pass ended after the window (a stream's end moves window by window)
 
 
 @dataclass
@@ -131,7 +133,6 @@ class Loop:
     mode_name: str
     batches: list[Batch | None]
     accumulate: int
-    divisor: float = 1.0  # K for a Trainer-like front end, which divides the loss by K before `scale`
     sized: bool = True
     settings: Settings = SETTINGS
     num_items: Callable[[Batch], Any] | None = None  # what `training_step` reports as 'num_items'
@@ -139,7 +140,7 @@ class Loop:
     model: nn.Module = field(default_factory=make_model)
     windows: list[Trained] = field(default_factory=list)
     hook: tuple[str, int] = ("", -1)  # the last hook called, and at which position
-    k_at: Callable[[int], int] | None = None  # K set by a callback at each position (a Trainer-like divisor K)
+    k_at: Callable[[int], int] | None = None  # K set by a callback at each position
 
     def __post_init__(self) -> None:
         self.initial = copy.deepcopy(self.model)
@@ -150,44 +151,46 @@ class Loop:
             if self.mode_name == "lookahead"
             else Deferred(channel, self.settings, AfterReduction(self.model, 1))
         )
+        self.epochs = Epochs(self.mode, self.settings.pad_uneven_ranks)
+
+    def start(self) -> Epoch:
+        length = len(self.batches) if self.sized else None
+        self.epochs.agree(length, length)
+        return self.epochs.begin(self.reader, 0)
 
     def run(self) -> list[Trained]:
-        self.reader.start_epoch(len(self.batches) if self.sized else None)
-        self.mode.start_epoch(self.reader)
+        epoch = self.start()
         positions: list[tuple[int, bool]] = []
         for _ in range(MAX_MICRO_BATCHES):
             try:
-                item = self.reader.next_item()
+                item = epoch.next_item()
             except StopIteration:
                 return self.windows
             assert self.reader.current is not None
             position = self.reader.current.position
             self.hook = ("begin", position)
-            filler = self.train(position, item[0])
-            positions.append((position, filler))
+            micro = self.train(epoch, position, item[0])
+            positions.append((position, micro.filler))
             self.hook = ("after_backward", position)
-            result = self.mode.after_backward()
-            if result is not None:
+            if micro.last:
+                stats = micro.window_result()
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.model.parameters()]
-                self.windows.append(Trained(positions, result, grads))
+                self.windows.append(Trained(positions, stats, grads, epoch.length))
                 self.model.zero_grad(set_to_none=True)
                 positions = []
         raise AssertionError(f"the epoch did not end after {MAX_MICRO_BATCHES} micro-batches")
 
-    def train(self, position: int, batch: Batch) -> bool:
-        """``begin`` → forward → ``after_forward`` → ``scale`` → backward; whether the micro-batch is a filler."""
+    def train(self, epoch: Epoch, position: int, batch: Batch) -> MicroBatch:
+        """micro-batch → forward → its loss to back-propagate → backward."""
         accumulate = self.accumulate if self.k_at is None else self.k_at(position)
-        if self.k_at is not None:  # Lightning's stepping rule with the K in force, and its division by it
-            self.divisor = float(accumulate)
-        last = (position + 1) % accumulate == 0 or position + 1 >= self.reader.length
-        filler = self.mode.begin(position, last, accumulate, f"optimizer step {len(self.windows)} (epoch 0")
+        micro = epoch.micro_batch(position, accumulate, len(self.windows))
         batch = self.transfer(batch)
         loss = mean_loss(self.model, batch)
         num_items = None if self.num_items is None else self.num_items(batch)
         self.hook = ("after_forward", position)
-        self.mode.after_forward(batch, StepOutput(loss, None, num_items, loss))
-        self.mode.scale(loss / self.divisor, self.divisor, None).backward()
-        return filler
+        micro.loss_to_backprop(StepOutput(loss, None, num_items, loss), batch).backward()
+        micro.backward_done()
+        return micro
 
 
 def assert_exact(loop: Loop, windows: list[list[Batch]]) -> None:
@@ -195,7 +198,7 @@ def assert_exact(loop: Loop, windows: list[list[Batch]]) -> None:
     assert len(loop.windows) == len(windows)
     for index, (trained, window) in enumerate(zip(loop.windows, windows, strict=True)):
         expected = reference(loop.initial, window)
-        stats = trained.result.stats
+        stats = trained.stats
         assert stats.global_count == expected.count, index
         assert stats.local_count == expected.count, index
         assert stats.mode == loop.mode_name
@@ -212,29 +215,23 @@ def chunks(batches: list[Batch], accumulate: int) -> list[list[Batch]]:
     return [batches[start : start + accumulate] for start in range(0, len(batches), accumulate)]
 
 
-FRONT_ENDS = [pytest.param(1.0, id="fabric-like"), pytest.param(3.0, id="trainer-like")]
-
-
 # ---------------------------------------------------------------------------------------------------------------------
 # exactness
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("divisor", FRONT_ENDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_ragged_windows_with_an_empty_micro_batch_and_a_short_last_window_match_the_reference(
-    mode: str, divisor: float
-) -> None:
+def test_ragged_windows_with_an_empty_micro_batch_and_a_short_last_window_match_the_reference(mode: str) -> None:
     batches = batches_with([7, 1, 10, 3, 0, 9, 4, 6])  # the empty one's mean loss is NaN; the last window holds 2
-    loop = Loop(mode, batches, accumulate=3, divisor=divisor)
+    loop = Loop(mode, batches, accumulate=3)
 
     loop.run()
 
     assert_exact(loop, chunks(batches, 3))
-    assert [trained.result.stats.window_length for trained in loop.windows] == [3, 3, 2]
+    assert [trained.stats.window_length for trained in loop.windows] == [3, 3, 2]
     positions = [[position for position, _ in trained.positions] for trained in loop.windows]
     assert positions == [[0, 1, 2], [3, 4, 5], [6, 7]]
-    assert all(trained.result.epoch_length is None for trained in loop.windows)  # a sized epoch: unchanged
+    assert all(trained.epoch_length == 8 for trained in loop.windows)  # a sized epoch: unchanged
     assert loop.mode.skipped_steps == 0
 
 
@@ -251,13 +248,13 @@ def test_plain_mean_of_micro_batch_means_misses_the_reference() -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_window_without_valid_labels_is_skipped_with_zero_gradient_and_counted(mode: str) -> None:
     batches = batches_with([5, 2, 0, 0, 8, 3])
-    loop = Loop(mode, batches, accumulate=2, divisor=2.0)
+    loop = Loop(mode, batches, accumulate=2)
 
     with pytest.warns(UserWarning, match=r"no valid items on any rank \(N = 0\); its update was skipped"):
         loop.run()
 
     assert_exact(loop, chunks(batches, 2))
-    assert [trained.result.stats.skipped for trained in loop.windows] == [False, True, False]
+    assert [trained.stats.skipped for trained in loop.windows] == [False, True, False]
     assert loop.mode.skipped_steps == 1
     assert loop.mode.state_dict()["skipped_steps"] == 1
 
@@ -273,16 +270,13 @@ def test_none_batch_trains_at_zero_weight(mode: str) -> None:
     assert [trained.positions for trained in loop.windows] == [
         [(0, False), (1, True), (2, False)], [(3, False), (4, False), (5, True)]
     ]
-    assert [trained.result.stats.window_length for trained in loop.windows] == [3, 3]
+    assert [trained.stats.window_length for trained in loop.windows] == [3, 3]
 
 
-@pytest.mark.parametrize("divisor", FRONT_ENDS)
 @pytest.mark.parametrize("mode", MODES)
-def test_stream_windows_are_padded_to_k_with_fillers_and_the_epoch_ends_with_the_stream(
-    mode: str, divisor: float
-) -> None:
+def test_stream_windows_are_padded_to_k_with_fillers_and_the_epoch_ends_with_the_stream(mode: str) -> None:
     batches = batches_with([6, 2, 9, 4, 7])
-    loop = Loop(mode, batches, accumulate=3, divisor=divisor, sized=False)
+    loop = Loop(mode, batches, accumulate=3, sized=False)
 
     loop.run()
 
@@ -290,7 +284,7 @@ def test_stream_windows_are_padded_to_k_with_fillers_and_the_epoch_ends_with_the
     assert [trained.positions for trained in loop.windows] == [
         [(0, False), (1, False), (2, False)], [(3, False), (4, False), (5, True)]
     ]
-    assert [trained.result.epoch_length for trained in loop.windows] == [6, 6]
+    assert [trained.epoch_length for trained in loop.windows] == [6, 6]
 
 
 @pytest.mark.parametrize(
@@ -306,7 +300,7 @@ def test_stream_that_ends_in_its_first_window_ends_the_epoch_there(mode: str) ->
 
     assert_exact(loop, [batches])
     assert loop.windows[0].positions == [(0, False), (1, False), (2, True)]
-    assert loop.windows[0].result.epoch_length == 3
+    assert loop.windows[0].epoch_length == 3
 
 
 @pytest.mark.parametrize("mode", MODES)
@@ -332,7 +326,7 @@ def test_deferred_takes_num_items_as_the_count() -> None:
     batches = batches_with([7, 1, 10, 3])
     loop = Loop("deferred", batches, accumulate=2, num_items=lambda batch: 100)
     loop.run()
-    assert [trained.result.stats.global_count for trained in loop.windows] == [200.0, 200.0]
+    assert [trained.stats.global_count for trained in loop.windows] == [200.0, 200.0]
 
 
 def test_lookahead_checks_num_items_against_the_default_count_with_the_shifted_labels_hint() -> None:
@@ -453,29 +447,26 @@ def test_deferred_counts_the_batch_training_step_received() -> None:
 @pytest.mark.parametrize("again", [0, 2], ids=["trained-twice", "skipped"])
 def test_position_trained_twice_or_skipped_is_refused(mode: str, again: int) -> None:
     loop = Loop(mode, batches_with([4, 5, 6]), accumulate=3)
-    loop.reader.start_epoch(3)
-    loop.mode.start_epoch(loop.reader)
-    loop.train(0, loop.reader.next_item()[0])
-    assert loop.mode.after_backward() is None
+    epoch = loop.start()
+    loop.train(epoch, 0, epoch.next_item()[0])
 
     with pytest.raises(RuntimeError, match="a batch was trained twice or skipped"):
-        loop.mode.begin(again, False, 3, "optimizer step 0 (epoch 0")
+        epoch.micro_batch(again, 3, 0)
 
 
 def test_deferred_refuses_an_aux_loss() -> None:
     loop = Loop("deferred", batches_with([4, 5]), accumulate=2)
-    loop.reader.start_epoch(2)
-    loop.mode.start_epoch(loop.reader)
-    batch = loop.reader.next_item()[0]
-    loop.mode.begin(0, False, 2, "optimizer step 0 (epoch 0")
+    epoch = loop.start()
+    batch = epoch.next_item()[0]
+    micro = epoch.micro_batch(0, 2, 0)
     loss = mean_loss(loop.model, batch)
     with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize"):
-        loop.mode.after_forward(batch, StepOutput(loss, loss * 0.1, None, loss))
+        micro.loss_to_backprop(StepOutput(loss, loss * 0.1, None, loss), batch)
 
 
 # ---------------------------------------------------------------------------------------------------------------------
 # K changed by a callback (`trainer.accumulate_grad_batches = ...`): Lightning steps when (position + 1) % K == 0
-# with the K in force, and divides each micro-batch's loss by it
+# with the K in force
 # ---------------------------------------------------------------------------------------------------------------------
 
 K_CHANGES = [  # (K before, position of the change, K after, the windows Lightning steps or None: refused)

@@ -28,7 +28,7 @@ from token_mean._record import (
     World,
     raise_lines,
 )
-from token_mean._window import Closing, Window, WindowStats
+from token_mean._window import Closing, Tally, WindowStats
 
 CPU = torch.device("cpu")
 STEP = "optimizer step 1 (epoch 0"
@@ -95,8 +95,8 @@ def line(who: str, problem: Problem) -> str:
     return f"{who}: {problem.what}. Fix: {problem.fix}"
 
 
-def window(channel: Channel | None = None, reduction: str = "mean", **judges: bool) -> Window:
-    return Window(channel or Channel(World.single()), 0, 4, STEP, reduction, **judges)
+def window(channel: Channel | None = None, reduction: str = "mean", **judges: bool) -> Tally:
+    return Tally(channel or Channel(World.single()), 0, 4, STEP, reduction, **judges)
 
 
 # ---------------------------------------------------------------------------------------------------------------------

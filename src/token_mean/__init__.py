@@ -25,7 +25,6 @@ from token_mean._counts import (
     sequence_token_sums,
 )
 from token_mean._filler import in_filler_batch
-from token_mean._hooks import TokenMeanStrategy
 from token_mean._mode import LossReduction, Mode
 from token_mean._observe import OnDivergence
 from token_mean._problems import DenominatorError
@@ -34,7 +33,7 @@ from token_mean.callback import DenominatorMonitor
 from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy
 from token_mean.sampler import ExactDistributedSampler
-from token_mean.strategy import TokenMeanDDPStrategy
+from token_mean.strategy import TokenMeanDDPStrategy, TokenMeanStrategy
 
 try:
     # pyproject.toml's `version` is the one source; the installed distribution's metadata carries it

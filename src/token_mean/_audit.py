@@ -23,7 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
 import torch
@@ -379,6 +379,11 @@ class Auditor:
             self._done = False
         if self._recorded is not None:
             self._recorded.append(MicroBatch(batch, RngState.capture(), filler, index))
+
+    def filler(self) -> None:
+        """The micro-batch recorded last is a zero-weight filler (its front end says so from its forward on)."""
+        if self._recorded:
+            self._recorded[-1] = replace(self._recorded[-1], filler=True)
 
     def audit(self, module: nn.Module, window: int, device: torch.device, unseen: Callable[[], str]) -> Audit | None:
         """After the window's last backward: its audit (None if it is not audited); every rank of the group must

@@ -1,7 +1,7 @@
-"""What a front end assembles the core from: the user's settings, checked once, and the mode they name.
+"""What a front end assembles the core from: the user's settings, checked once, the layout, and the mode they name.
 
-Both the Trainer strategies and Fabric's accumulator take the same four settings and build the same modes; neither
-needs the other's objects.
+The Trainer strategies, Fabric's accumulator and the monitor take the same settings and layouts and build the same
+modes; none needs another's objects.
 """
 
 from __future__ import annotations
@@ -40,12 +40,13 @@ def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_r
 
 @dataclass(frozen=True)
 class Layout:
-    """What a parallel layout (a Trainer strategy, a Fabric strategy) gives the core.
+    """What a parallel layout (``_ddp.layout``, ``_fsdp.layout``) gives the core, under any front end.
 
     ``world``: the ranks that share a denominator; ``gradients``: builds deferred mode's path to the gradient;
     ``checks``: host-side checks run as each window closes; ``on_out_of_step``: what this rank still does when a
     blocking collective finds the ranks out of step (None: the others then wait for the timeout in their backward);
-    ``catch_up``: what the others' next forward runs that a rank whose epoch ended must take part in.
+    ``catch_up``: what the others' next forward runs that a rank whose epoch ended must take part in;
+    ``sync_flags``: the gradient-sync flags the next backward will use, read on the host (none: nothing reduces).
     """
 
     world: World
@@ -53,6 +54,7 @@ class Layout:
     checks: Sequence[WindowCheck] = ()
     on_out_of_step: Callable[[Reduced], None] | None = None
     catch_up: Callable[[], None] | None = None
+    sync_flags: Callable[[], Sequence[bool]] = tuple
 
 
 def make_mode(mode: Mode, layout: Layout, settings: Settings, rank_counts: bool) -> WindowMode:

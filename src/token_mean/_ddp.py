@@ -1,5 +1,6 @@
 """What the package needs of a DDP-wrapped model, under the Trainer and under Fabric alike.
 
+- :func:`layout`: the core's view of DDP (or of one process), for every front end.
 - :class:`InReduction`: deferred mode's factor, inside DDP's bucket all-reduce (a communication hook).
 - :class:`UnreducedParameters`: DDP reduces the gradients of the parameters that required one when it wrapped the
   model; a parameter unfrozen later (``BaseFinetuning``) trains on each rank's own gradient, so the replicas drift
@@ -16,15 +17,35 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
 
 from token_mean import _torch
 from token_mean._comm_hook import scaled_allreduce_hook
-from token_mean._deferred import Deferred, GradientPath
+from token_mean._core import Layout
+from token_mean._deferred import AfterReduction, Deferred, GradientPath
 from token_mean._problems import Problem
-from token_mean._record import Kind, Reduced
+from token_mean._record import Kind, Reduced, World
+
+
+def default_world(device: torch.device) -> World:
+    """All ranks of the default process group (one process when there is none)."""
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return World(dist.get_world_size(), dist.get_rank(), device, distributed=True)
+    return World.single(device)
+
+
+def layout(model: Module, device: torch.device) -> Layout:
+    """The core's view of ``model`` wrapped in DDP over the default process group (every rank holds its own batch;
+    all of them share the denominator), or of a model no strategy wrapped (one process)."""
+    world = default_world(device)
+    if not isinstance(model, DistributedDataParallel):
+        return Layout(world, lambda: AfterReduction(model, world.size))
+    return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
+                  lambda: _torch.rebuild_ddp_buckets(model),
+                  lambda: (model.require_forward_param_sync,))  # what the forward prepared the backward for
 
 
 class InReduction(GradientPath):
@@ -114,4 +135,4 @@ def stand_in_loss(module: Module) -> Tensor:
     return torch.stack([p.sum() * 0.0 for p in parameters]).sum()
 
 
-__all__ = ["InReduction", "ShadowBackward", "UnreducedParameters", "stand_in_loss"]
+__all__ = ["InReduction", "ShadowBackward", "UnreducedParameters", "default_world", "layout", "stand_in_loss"]

@@ -1,32 +1,22 @@
-"""Whether the batch in flight is a zero-weight filler, for code that cannot reach the strategy (metrics)."""
+"""Whether the micro-batch in flight is a zero-weight filler, for code that cannot reach the front end (metrics)."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+import weakref
+from typing import Any
 
-_active = False
-
-
-@contextmanager
-def filler_batch(active: bool) -> Iterator[None]:
-    """Mark the ``training_step`` of a filler, so :class:`~token_mean.TokenMeanLoss` can leave it out."""
-    global _active
-    previous, _active = _active, active
-    try:
-        yield
-    finally:
-        _active = previous
+_current: weakref.ref[Any] | None = None  # the micro-batch created last (held by its front end)
 
 
-def mark_filler_batch(active: bool) -> None:
-    """Mark a Fabric loop's micro-batch as a filler (``True``, as ``accumulator.batches`` yields it) or end the mark
-    (``False``, once its backward ran): code the loop runs after it, a validation loop, is no filler's."""
-    global _active
-    _active = active
+def track(micro_batch: Any) -> None:
+    """``micro_batch`` (a ``_mode.MicroBatch``, or None) is the one in flight from now on."""
+    global _current
+    _current = None if micro_batch is None else weakref.ref(micro_batch)
 
 
 def in_filler_batch() -> bool:
-    """True inside the ``training_step`` of a zero-weight filler under :class:`~token_mean.TokenMeanDDPStrategy`,
-    and in a Fabric loop from a filler's yield by ``accumulator.batches`` to its ``accumulator.backward``."""
-    return _active
+    """True from the creation of a zero-weight filler micro-batch to its backward, in every front end: under the
+    Trainer strategies its ``training_step`` and backward, in a Fabric loop from ``accumulator.batches`` yielding it
+    to its ``accumulator.backward``. Code that runs for other batches (a validation loop) never sees it."""
+    micro_batch = None if _current is None else _current()
+    return micro_batch is not None and bool(micro_batch.is_filler)

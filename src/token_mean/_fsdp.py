@@ -1,6 +1,7 @@
 """What the package needs of a model sharded by FSDP2 or tensor parallelism, under the Trainer and Fabric alike.
 
-- :class:`AfterReduction`: deferred mode's factor, after FSDP2's reduce-scatter averaged the gradients.
+- :func:`layout`: the core's view of a ``("data_parallel", "tensor_parallel")`` mesh, for every front end (deferred
+  mode's factor comes after FSDP2's reduce-scatter averaged the gradients: ``_deferred.AfterReduction``).
 - :func:`check_reduction`: both modes rely on FSDP2 dividing every gradient by the data-parallel size P.
 - :func:`mesh_world`: the ranks of a ``("data_parallel", "tensor_parallel")`` mesh that share a denominator.
 - :class:`Outputs`: a rank whose ``training_step`` returns no loss must still run FSDP2's backward, or the other ranks
@@ -11,7 +12,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -22,28 +23,9 @@ from torch.nn import Module
 from torch.utils._pytree import tree_flatten
 
 from token_mean import _torch
-from token_mean._deferred import GradientPath
+from token_mean._core import Layout
+from token_mean._deferred import AfterReduction
 from token_mean._record import World
-
-
-class AfterReduction(GradientPath):
-    """The reduce-scatter averages the gradients over P with no hook of the package, so the local shards,
-    Σ∇(loss sums)/(P·D), are multiplied by P·D/N: one fused kernel over this rank's 1/P of the gradients."""
-
-    def __init__(self, model: Module, world_size: int) -> None:
-        self._model = model
-        self._world_size = world_size
-
-    def after_backward(self, factor: Callable[[], Tensor]) -> None:
-        from torch.distributed.tensor import DTensor
-
-        shards = [
-            grad.to_local() if isinstance(grad, DTensor) else grad
-            for grad in (parameter.grad for parameter in self._model.parameters())
-            if grad is not None
-        ]
-        if shards:
-            _torch.multiply_(shards, factor() * self._world_size)
 
 
 def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
@@ -132,4 +114,12 @@ def mesh_world(mesh: Any, device: torch.device) -> World:
     )
 
 
-__all__ = ["AfterReduction", "Outputs", "check_reduction", "mesh_world"]
+def layout(model: Module, mesh: Any, device: torch.device) -> Layout:
+    """The core's view of ``model`` sharded over ``mesh`` (``check_reduction`` tells whether FSDP2 reduces as the
+    package relies on)."""
+    world = mesh_world(mesh, device)
+    return Layout(world, lambda: AfterReduction(model, world.size),
+                  sync_flags=lambda: _torch.fsdp_reduces_gradients(model))  # read by FSDP2 as the backward runs
+
+
+__all__ = ["Outputs", "check_reduction", "layout", "mesh_world"]

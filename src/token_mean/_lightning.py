@@ -9,19 +9,20 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 import lightning.pytorch as pl
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
+from token_mean._epoch import Epoch, Epochs
+from token_mean._loaders import length_is_a_hint
 from token_mean._reader import Reader
 
 
-def batch_position(trainer: pl.Trainer) -> tuple[int, bool]:
-    """(position of the batch being trained in its epoch, whether Lightning steps the optimizer after it).
+def batch_position(trainer: pl.Trainer) -> int:
+    """The position of the batch being trained in its epoch.
 
-    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``training_step``, and
-    ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the last batch of the epoch).
+    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``training_step``.
     """
-    epoch_loop = trainer.fit_loop.epoch_loop
-    return epoch_loop.batch_progress.current.ready - 1, steps_after_this_batch(trainer)
+    return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) - 1
 
 
 def steps_after_this_batch(trainer: pl.Trainer) -> bool:
@@ -75,18 +76,19 @@ def uses_dataloader_iter(trainer: pl.Trainer) -> bool:
     return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
 
 
-def set_epoch_length(trainer: pl.Trainer, length: int) -> None:
-    """Tell the fetcher where the epoch now ends (unsized loaders, whose end the ranks agree on window by window).
+def follow(trainer: pl.Trainer, epoch: Epoch) -> None:
+    """Make Lightning's fetcher end the epoch where ``epoch`` ends (a stream's end moves window by window).
 
-    Relies on: ``_DataFetcher.done`` is ``fetched >= length`` for a loader with a length, the epoch loop copies it
-    into ``batch_progress.is_last_batch`` after each fetch, and the loop ends on ``is_last_batch``. The strategy
-    calls this in ``optimizer_step`` of the window's last batch, before the loop looks at ``is_last_batch`` again.
+    Relies on: ``_DataFetcher.done`` is ``fetched >= length`` for a loader with a length (the fetcher takes the
+    reader's length from ``len()`` at ``iter()``, so it never prefetches), the epoch loop copies it into
+    ``batch_progress.is_last_batch`` after each fetch, and both the stepping rule and the loop's end read
+    ``is_last_batch``.
     """
     fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None:
+    if fetcher is None or fetcher.length == epoch.length:
         return
-    fetcher.length = length
-    fetcher.done = fetcher.fetched >= length
+    fetcher.length = epoch.length
+    fetcher.done = fetcher.fetched >= epoch.length
     trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
 
 
@@ -140,18 +142,19 @@ def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
             trainer.val_check_batch = float("inf")
 
 
-def read_through(
-    trainer: pl.Trainer, on_iter: Callable[[Reader], None], on_setup: Callable[[list[Any], int | None], None]
-) -> None:
-    """Route the fit loop's training batches through a :class:`Reader` from now on, for every (re)loaded loader.
+def read_through(trainer: pl.Trainer, epochs: Epochs) -> None:
+    """Route the fit loop's training batches through ``epochs`` from now on, for every (re)loaded loader: the ranks
+    agree on the length when the loaders are set up, and each ``iter()`` begins a pass.
 
     Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader`` (after ``strategy.process_dataloader`` of each
-    sub-loader), creates ``_data_fetcher`` and calls ``iter()`` on it (which prefetches one batch of an unsized loader);
-    later epochs call ``iter(data_fetcher)`` again; the fetcher reads batches with ``next(combined_loader)`` and sets
-    its ``length`` from ``len(combined_loader)`` on ``iter``. User code's ``trainer.train_dataloader`` is the
-    loaders themselves, so iterating it does not pass through the reader.
+    sub-loader), sets ``max_batches`` from its length (after ``limit_train_batches``), creates ``_data_fetcher`` and
+    calls ``iter()`` on it (which prefetches one batch of an unsized loader); later epochs call ``iter(data_fetcher)``
+    again; the fetcher reads batches with ``next(combined_loader)`` and sets its ``length`` from
+    ``len(combined_loader)`` on ``iter``. User code's ``trainer.train_dataloader`` is the loaders themselves, so
+    iterating it does not pass through the reader.
     """
     fit_loop = trainer.fit_loop
+    fit_loop._token_mean_epochs = epochs  # type: ignore[attr-defined]  # a later fit's strategy brings its own
     if getattr(fit_loop, "_token_mean_read_through", False):
         return
     setup_data = fit_loop.setup_data
@@ -162,19 +165,22 @@ def read_through(
         if combined is None or isinstance(combined, _ReadCombinedLoader) or fit_loop._data_fetcher is None:
             return
         fetcher = fit_loop._data_fetcher
-        max_batches = fit_loop.max_batches
-        on_setup(combined.flattened, None if max_batches == float("inf") else int(max_batches))
+        hint = length_is_a_hint(combined.flattened)
+        local = None if hint or fit_loop.max_batches == float("inf") else int(fit_loop.max_batches)
+        own = None if hint else _own_length(combined)
+        epochs: Epochs = fit_loop._token_mean_epochs  # type: ignore[attr-defined]
+        resize_epoch(trainer, epochs.agree(local, own))
         prefetched = [*getattr(fetcher, "batches", [])]
         stateful = bool(CombinedLoader._state_dicts(combined))
         reader = Reader(
             lambda: CombinedLoader.__next__(combined),
             (lambda: CombinedLoader._state_dicts(combined)) if stateful else None,
             lambda: epoch_position(trainer),
-        )  # the front end hands it to the mode when the epoch starts
+        )
         reader.adopt(prefetched)
         combined.__class__ = _ReadCombinedLoader
         combined._token_mean_reader = reader  # type: ignore[attr-defined]
-        combined._token_mean_on_iter = on_iter  # type: ignore[attr-defined]
+        combined._token_mean_begin = lambda: epochs.begin(reader, trainer.current_epoch)  # type: ignore[attr-defined]
         combined._token_mean_reuse = True  # type: ignore[attr-defined]
         iter(fetcher)  # restarts the fetcher on the reader, keeping the loaders' iterators already started
 
@@ -182,11 +188,29 @@ def read_through(
     fit_loop._token_mean_read_through = True  # type: ignore[attr-defined]
 
 
+def _own_length(combined: CombinedLoader) -> int | None:
+    """The combined loader's length without ``limit_train_batches``.
+
+    Relies on: ``FitLoop.setup_data`` sets ``CombinedLoader.limits`` from ``limit_train_batches`` (for every limit,
+    1.0 included) and calls ``iter()`` on it; ``len()`` of the combined loader is that of its mode's iterator
+    (``_iterator``), which takes its own ``limits`` into account.
+    """
+    iterator = combined._iterator
+    if iterator is None:
+        return sized_len(combined)
+    limits, iterator.limits = iterator.limits, None
+    try:
+        return sized_len(iterator)
+    finally:
+        iterator.limits = limits
+
+
 class _ReadCombinedLoader(CombinedLoader):
-    """Lightning's ``CombinedLoader`` whose batches come through the strategy's :class:`Reader`."""
+    """Lightning's ``CombinedLoader`` whose batches come through the pass an :class:`Epochs` begins at each iter."""
 
     _token_mean_reader: Reader
-    _token_mean_on_iter: Callable[[Reader], None]
+    _token_mean_begin: Callable[[], Epoch]
+    _token_mean_epoch: Epoch
     _token_mean_reuse: bool
 
     def __iter__(self) -> _ReadCombinedLoader:
@@ -194,14 +218,14 @@ class _ReadCombinedLoader(CombinedLoader):
             self._token_mean_reuse = False
         else:
             super().__iter__()
-        self._token_mean_on_iter(self._token_mean_reader)
+        self._token_mean_epoch = self._token_mean_begin()
         return self
 
     def __next__(self) -> Any:
-        return self._token_mean_reader.next_item()
+        return self._token_mean_epoch.next_item()
 
     def __len__(self) -> int:
-        return self._token_mean_reader.length
+        return self._token_mean_epoch.length
 
     def _state_dicts(self) -> list[dict[str, Any]]:
         reader = self._token_mean_reader
@@ -291,12 +315,12 @@ __all__ = [
     "fabric_loader_pass",
     "fabric_modules",
     "fabric_strategy_of",
+    "follow",
     "has_loader_states_to_load",
     "join_batch_starts",
     "read_through",
     "replace_checkpoint_loader_states",
     "resize_epoch",
-    "set_epoch_length",
     "set_loader_states_to_load",
     "should_update_logs",
     "show_on_progress_bar",

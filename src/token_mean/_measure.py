@@ -1,30 +1,28 @@
-"""What a window's denominator and loss were under a strategy that does not publish them (plain DDP, one device).
+"""Where the monitor takes each window's numbers from: a token-mean strategy's ``last_window`` (:class:`Published`),
+or its own measurement under any other strategy (:class:`Measured`: plain DDP, FSDP2, one device).
 
-The measurement is a :class:`~token_mean._window.Window` like the modes': per micro-batch it keeps detached device
-values; per window it all-reduces one record, so a bad count raises the same :class:`~token_mean.DenominatorError`
-on every rank, and the per-rank counts ride in the same collective.
+The measurement is a :class:`~token_mean._window.Tally` like a mode's window: per micro-batch it keeps detached
+device values; per window it all-reduces one record, so a bad count raises the same
+:class:`~token_mean.DenominatorError` on every rank, and the per-rank counts ride in the same collective.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import torch
-import torch.distributed as dist
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 
+from token_mean import _ddp, _fsdp
 from token_mean._counting import CountFn, device_count
+from token_mean._exit import destroy_process_group_at_exit
 from token_mean._problems import Problem
 from token_mean._record import Channel, Slot, World
-from token_mean._window import Window, WindowStats
-
-
-def default_world(device: torch.device) -> World:
-    """All ranks of the default process group (one process when there is none)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return World(dist.get_world_size(), dist.get_rank(), device, distributed=True)
-    return World.single(device)
+from token_mean._window import Tally, WindowStats
+from token_mean.strategy import TokenMeanStrategy
 
 
 class MeasuredWindow:
@@ -33,7 +31,7 @@ class MeasuredWindow:
     def __init__(self, channel: Channel, count_fn: CountFn, loss_reduction: str, start: int, step: int) -> None:
         self._count_fn = count_fn
         # an observer: a NaN loss is the strategy's to judge, not the measurement's
-        self._window = Window(channel, start, 1, f"optimizer step {step} (measured by DenominatorMonitor",
+        self._window = Tally(channel, start, 1, f"optimizer step {step} (measured by DenominatorMonitor",
                               loss_reduction, judge_losses=False)
 
     def add(self, batch: Any, outputs: Any, accumulate: int) -> None:
@@ -61,4 +59,91 @@ class MeasuredWindow:
         return stats, result.reduced[Slot.NAIVE] / self._window.channel.world.size
 
 
-__all__ = ["MeasuredWindow", "default_world"]
+class Windows(Protocol):
+    """Where each window's numbers come from, fed by the monitor's hooks."""
+
+    def start(self, trainer: Trainer) -> None: ...
+    def reset(self) -> None: ...
+    def add(self, trainer: Trainer, module: LightningModule, batch: Any, outputs: Any, position: int,
+            step: int) -> None: ...
+    def finish(self, step: int) -> tuple[WindowStats | None, float | None]: ...
+
+
+class Published:
+    """The windows a token-mean strategy publishes (P more floats in its record for the per-rank counts: nothing
+    else, no collective of the monitor's own)."""
+
+    def __init__(self, strategy: TokenMeanStrategy) -> None:
+        self._strategy = strategy
+        self._last: WindowStats | None = None
+        self._warned = False
+
+    def start(self, trainer: Trainer) -> None:
+        self._last, self._warned = None, False
+
+    def reset(self) -> None:
+        pass
+
+    def add(self, trainer: Trainer, module: LightningModule, batch: Any, outputs: Any, position: int,
+            step: int) -> None:
+        pass
+
+    def finish(self, step: int) -> tuple[WindowStats | None, float | None]:
+        """The strategy's stats of the window that just ended (None, with a warning once, if it published none)."""
+        stats = self._strategy.last_window
+        if stats is not None and stats is not self._last:
+            self._last = stats
+            return stats, None
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
+                           " DenominatorMonitor logs nothing for such steps.")
+        return None, None
+
+
+class Measured:
+    """The monitor's own measurement of each window, under a strategy that publishes none."""
+
+    def __init__(self, count_fn: CountFn, loss_reduction: str) -> None:
+        self._count_fn = count_fn
+        self._loss_reduction = loss_reduction
+        self._channel = Channel(World.single(), rank_counts=True)
+        self._window: MeasuredWindow | None = None  # the window being measured
+
+    def start(self, trainer: Trainer) -> None:
+        world = measured_world(trainer)
+        if world.distributed:
+            # the measurement's collectives run on the default group, which a plain strategy never destroys: a
+            # gloo group alive when the interpreter finalizes can abort the exit (token_mean._exit)
+            destroy_process_group_at_exit()
+        self._channel = Channel(world, rank_counts=True)
+
+    def reset(self) -> None:
+        self._window = None
+
+    def add(self, trainer: Trainer, module: LightningModule, batch: Any, outputs: Any, position: int,
+            step: int) -> None:
+        window = self._window
+        if window is None:
+            window = self._window = MeasuredWindow(self._channel, self._count_fn, self._loss_reduction, position, step)
+        # Lightning divided the closure loss by K under automatic optimization
+        window.add(batch, outputs, trainer.accumulate_grad_batches if module.automatic_optimization else 1)
+
+    def finish(self, step: int) -> tuple[WindowStats | None, float | None]:
+        window, self._window = self._window, None
+        return (None, None) if window is None else window.finish()
+
+
+def measured_world(trainer: Trainer) -> World:
+    """The ranks whose windows the monitor measures itself: the layout's (a device mesh's data-parallel ranks share
+    the denominator; its tensor-parallel ones train on the same batches)."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    strategy, device = trainer.strategy, trainer.strategy.root_device
+    model = strategy.model if strategy.model is not None else trainer.lightning_module
+    if isinstance(strategy, ModelParallelStrategy):
+        return _fsdp.layout(model, strategy.device_mesh, device).world
+    return _ddp.layout(model, device).world
+
+
+__all__ = ["Measured", "MeasuredWindow", "Published", "Windows", "measured_world"]

@@ -20,9 +20,6 @@ from torch.utils._pytree import tree_flatten
 
 from token_mean import _torch
 
-UNKNOWN_END = 2**62
-"""A stream's end before its first window opens."""
-
 
 @dataclass(frozen=True)
 class Entry:
@@ -85,31 +82,34 @@ def _storages(item: Any) -> _Memory:
 
 
 class Reader:
-    """Hands out the epoch's batches in order, holding some ahead when a mode asks for them.
+    """Hands out one loader's batches in order, holding some ahead when asked, and never ends by itself.
 
     An item is what ``raw_next()`` returns; its first element is the batch (``(batch, batch_idx, dataloader_idx)``
-    from Lightning's ``CombinedLoader``; ``(batch,)`` under Fabric). Positions count batches from the epoch's start.
-    ``length`` is where the epoch ends on every rank: the longest rank's length for sized loaders, or, for a stream,
-    the end of its open window until the ranks agree it goes on (:meth:`extend_to`). A rank whose loader runs out
-    before that repeats its last real batch as a zero-weight filler; a ``None`` batch becomes a filler too, so every
-    rank trains the same positions. A batch read while others are held or in flight (read ahead, or prefetched from a
-    stream) is checked for sharing their memory: a loader that refills one buffer would overwrite them.
+    from Lightning's ``CombinedLoader``; ``(batch,)`` under Fabric). Positions count batches from the pass's start
+    (from where the loop's epoch stands on resume). Where the pass ends is the :class:`~token_mean._epoch.Epoch`'s
+    to say: past the end of its loader a rank repeats its last real batch as a zero-weight filler, and a ``None``
+    batch becomes a filler too, so every rank can train the same positions. A batch read while others are held or in
+    flight (read ahead, or prefetched from a stream) is checked for sharing their memory: a loader that refills one
+    buffer would overwrite them.
 
     Args:
         raw_next: the next item of the loader; raises ``StopIteration`` at its end.
         snapshot: the loaders' own ``state_dict``s (stateful loaders only), for a mid-epoch checkpoint.
         start: where the loop's epoch stands when the first batch is fetched (mid-epoch on resume).
+        skipped: the loader's items before ``start`` were drawn before the reader (Fabric skips them itself); else a
+            resumed loader either restored its state (stateful) or restarts from its first item.
     """
 
     def __init__(
-        self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None = None, start: Callable[[], int] = int
+        self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None = None, start: Callable[[], int] = int,
+        skipped: bool = False,
     ) -> None:
         self._source = _Source(raw_next)
         self._snapshot = snapshot
         self._start = start
+        self._skipped = skipped
         self._started = False
-        self.length = 0
-        self.sized = True
+        self.start = 0  # the pass's first position (after the batches a resumed pass trained before)
         self._position = 0  # of the next item handed out
         self._held: deque[_Held] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
@@ -117,22 +117,19 @@ class Reader:
         self._previous_storages = _NO_MEMORY  # of the last real batch read
         self._real_reads = 0
         self._limit: int | None = None
-        self._restarted = False
+        self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
         self.refills = False  # a real batch shared memory with the one read before it
-        self.current: Entry | None = None  # the entry handed out last (None before the epoch's first)
+        self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
 
-    # ---- the epoch ----
-
-    def start_epoch(self, length: int | None, resumed_exhausted: bool = False, limit: int | None = None) -> None:
-        """A new pass over the loader (``length`` None: a stream); ``resumed_exhausted``: this rank's loader had run
-        out when the checkpoint being resumed was written; ``limit``: this rank trains its first ``limit`` batches
-        only (Lightning's ``limit_train_batches``), and repeats a filler after them."""
+    def restart(self, resumed_exhausted: bool = False, limit: int | None = None) -> None:
+        """A new pass over the loader; ``resumed_exhausted``: this rank's loader had run out when the checkpoint
+        being resumed was written; ``limit``: this rank trains its first ``limit`` batches only (Lightning's
+        ``limit_train_batches``), and repeats a filler after them."""
         self._limit = limit
-        self._restarted = False
+        self.resumed_without_state = False
         self._position = 0
+        self.start = 0
         self._started = False
-        self.sized = length is not None
-        self.length = length if length is not None else UNKNOWN_END
         self._source.restart(resumed_exhausted)
         self._held.clear()
         self._entries.clear()
@@ -141,30 +138,20 @@ class Reader:
 
     def adopt(self, items: list[Any]) -> None:
         """Raw items the loop had read before the reader was installed: they come first."""
-        self._source.pending.extend(items)
+        self._source.adopt(items)
 
     @property
     def exhausted(self) -> bool:
-        """Whether the loader has run out this epoch."""
+        """Whether the loader has run out this pass."""
         return self._source.exhausted
-
-    def window_stop(self, start: int, accumulate: int) -> int:
-        """One past the last position of the window that holds ``start`` (windows are K apart from the epoch's
-        start; a sized epoch's last one can be short)."""
-        stop = start + accumulate - start % accumulate
-        return min(stop, self.length) if self.sized else stop
-
-    def extend_to(self, length: int) -> None:
-        """A stream's epoch reaches ``length``: the end of its open window, or of the next one when the ranks agreed
-        that some rank has more."""
-        self.length = length
 
     def _shift(self, start: int) -> None:
         """Positions count from 0 until the first batch is fetched, then from where the loop's epoch stands."""
         self._started = True
-        # resumed mid-epoch from a loader without a state (Lightning restarts it from its first batch): where the
-        # loader ends says nothing about where the epoch does
-        self._restarted = start > 0 and not self.stateful
+        self.start = start
+        # resumed mid-epoch from a loader without a state (Lightning restarts it from its first batch): it yields its
+        # first batches again, and its whole length after them
+        self.resumed_without_state = start > 0 and not self.stateful and not self._skipped
         self._position += start
         self._entries = deque(replace(entry, position=entry.position + start) for entry in self._entries)
         self._held = deque(replace(held, entry=replace(held.entry, position=held.entry.position + start))
@@ -185,12 +172,24 @@ class Reader:
         """The position of the next item handed out."""
         return self._position
 
+    @property
+    def drawn(self) -> int:
+        """Items drawn from the loader this pass (``None`` batches included, repeats not)."""
+        return self._source.drawn
+
+    @property
+    def undrawn_start(self) -> int:
+        """The loader's items of this pass the reader never drew: those before :attr:`start`, where the loader
+        resumed past them (its state restored, or skipped before the reader), else none."""
+        return 0 if self.resumed_without_state else self.start
+
     # ---- the loop's side ----
 
-    def next_item(self) -> Any:
+    def next_item(self, end: int) -> Any:
+        """The item at :attr:`position`; ``StopIteration`` at ``end``, where the epoch says the pass ends."""
         if not self._started:
             self._shift(self._start())
-        if self._position >= self.length:
+        if self._position >= end:
             self._held.clear()  # speculative reads past an end the ranks agreed on
             raise StopIteration
         if self._held:
@@ -206,7 +205,8 @@ class Reader:
 
     def consumed_state(self) -> Any:
         """The loaders' state after the batches handed out: batches held ahead are not consumed yet."""
-        assert self._snapshot is not None
+        if self._snapshot is None:
+            raise RuntimeError("token_mean: internal error: the state of a loader without `state_dict` was asked for.")
         return self._held[0].state if self._held else self._snapshot()
 
     @property
@@ -230,7 +230,8 @@ class Reader:
         return self._entries[0]
 
     def entries(self, start: int, stop: int) -> list[Entry]:
-        """Entries of positions [start, stop), reading ahead as needed (fewer where the epoch ends)."""
+        """Entries of positions [start, stop), reading ahead as needed (fewer where a loader that yields nothing
+        ends)."""
         self.read_ahead(stop)
         return [entry for entry in self._entries if start <= entry.position < stop]
 
@@ -240,8 +241,6 @@ class Reader:
         reads = 0
         next_read = self._position + len(self._held)
         while next_read < stop and (at_most is None or reads < at_most):
-            if self.sized and next_read >= self.length:
-                return
             state = self._snapshot() if self._snapshot is not None else None  # before the read: not consumed yet
             try:
                 item, entry, storages = self._read(next_read, in_flight)
@@ -262,12 +261,10 @@ class Reader:
         self.read_ahead(max(position, self._position + len(self._held)) + 1, in_flight=in_flight)
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
-    def yields_past_end(self) -> bool:
-        """Whether the loader yields a batch past the sized epoch's end (read and dropped); not asked of a limited
-        epoch, a loader not known to yield fresh memory, or one a mid-epoch resume restarted without a state."""
-        if not self.sized or self._limit is not None or self._restarted or not self.fresh or self._source.exhausted:
-            return False
-        return self._source.yields_more()
+    def yields_beyond(self, items: int) -> bool:
+        """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
+        until it has drawn one more, or runs out. Not for a loader under a limit."""
+        return self._source.draws_beyond(items)
 
     def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, _Memory]:
         """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
@@ -285,6 +282,7 @@ class Reader:
         aliased = in_use or (in_flight and storages.overwrites(self._current_storages))
         return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
 
+
 class _Source:
     """The loader's items, and what a filler repeats: the last real item. A ``None`` batch before any real one
     repeats the first real batch, which is still handed out later."""
@@ -295,25 +293,33 @@ class _Source:
         self.exhausted = False
         self._template: Any = None
         self._resumed_exhausted = False
+        self.drawn = 0  # items drawn from the loader this pass (pending ones when adopted)
 
     def restart(self, resumed_exhausted: bool) -> None:
         self.exhausted = False
         self._template = None
         self._resumed_exhausted = resumed_exhausted
+        self.drawn = len(self.pending)
+
+    def adopt(self, items: list[Any]) -> None:
+        self.pending.extend(items)
+        self.drawn += len(items)
 
     def stop(self) -> None:
         """The rank's limit is reached: what the loader holds after it is not trained."""
         self.exhausted = True
         self.pending.clear()
 
-    def yields_more(self) -> bool:
-        """Whether the loader has an item left; it is read and dropped, and the source's state is left as it was."""
-        if self.pending:
-            return True
-        try:
-            self._raw_next()
-        except StopIteration:
-            return False
+    def draws_beyond(self, items: int) -> bool:
+        """Whether the loader yields more than ``items`` items in all this pass (what is read here is dropped)."""
+        if self.exhausted:
+            return self.drawn > items
+        while self.drawn <= items:
+            try:
+                self._raw_next()
+            except StopIteration:
+                return False  # the source's own state is left as it was: the pass has ended
+            self.drawn += 1
         return True
 
     def next(self) -> tuple[Any, bool]:
@@ -340,10 +346,12 @@ class _Source:
         if self.exhausted:
             return None
         try:
-            return self._raw_next()
+            item = self._raw_next()
         except StopIteration:
             self.exhausted = True
             return None
+        self.drawn += 1
+        return item
 
     def _first_real(self, skipped: Any) -> Any:
         if skipped is None:
@@ -358,4 +366,4 @@ class _Source:
         return real[0] if real else None
 
 
-__all__ = ["UNKNOWN_END", "Entry", "Reader"]
+__all__ = ["Entry", "Reader"]

@@ -51,7 +51,8 @@ class Slot(IntEnum):
     EPOCH_LENGTH = 17  # the agreement on an epoch's length: this rank's batches (or -batches under MAX)
     EPOCH_LENGTH_SQUARED = 18  # ... its square (or, under MAX, its batches)
     UNSIZED = 19  # 1: this rank's training loader has no length
-    UNSURE = 20  # 1: a stream's rank could not peek past the window before its last backward (its loader refills)
+    UNSURE = 20  # 1: a rank could not look past the window before its last backward (a stream's next batch, or a
+    # sized pass's item past its length: its loader refills a buffer, or a resume restarted it)
 
 
 class Kind(Enum):
@@ -62,6 +63,7 @@ class Kind(Enum):
     FIRST_COUNTS = "the counts of an epoch's first window, or of the first after K changed (lookahead)"
     WINDOW = "the end of an accumulation window"
     STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
+    PAST_END = "the check, after an epoch's last backward, that no loader yields more batches than its `len()`"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
     LEFT = "the end of its epoch, at a batch it did not train (`on_train_batch_start` returned -1)"
 

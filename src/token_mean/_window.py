@@ -1,7 +1,8 @@
-"""One accumulation window on one rank: what its micro-batches contributed, its one exchange, and what the step used.
+"""One accumulation window's tally on one rank: what its micro-batches contributed, its one exchange, and what the
+step used.
 
-A :class:`Window` is created when a window opens and dropped when it ends. The modes feed it one micro-batch at a time
-(:meth:`Window.add`, with problems as they find them); after the window's last forward :meth:`Window.close` builds
+A :class:`Tally` is created when a window opens and dropped when it ends. The window feeds it one micro-batch at a time
+(:meth:`Tally.add`, with problems as they find them); after the window's last forward :meth:`Tally.close` builds
 the window's record and starts its one collective, and after its last backward :meth:`Closing.result` reads it on the
 host (the window's one host read) and raises the same :class:`~token_mean.DenominatorError` on every rank if any
 rank raised a problem. Everything per micro-batch stays on the device, detached, and is summed once per window.
@@ -91,8 +92,8 @@ class WindowStats:
         return 0.0 if self.global_count == 0 else figure(self.rank_counts, len(self.rank_counts))
 
 
-class Window:
-    """The accumulation window being trained on this rank (see the module docstring).
+class Tally:
+    """What the accumulation window being trained on this rank contributed (see the module docstring).
 
     Args:
         channel: where the window's record is exchanged.
@@ -287,7 +288,7 @@ def _nonfinite(values: Tensor) -> Tensor:
 class Closing:
     """A window after its last forward: its exchange is in flight; :meth:`result` reads it after the last backward."""
 
-    def __init__(self, window: Window, exchange: Exchange, local_count: Tensor) -> None:
+    def __init__(self, window: Tally, exchange: Exchange, local_count: Tensor) -> None:
         self.window = window
         self._exchange = exchange
         self._local_count = local_count
@@ -334,4 +335,4 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = ["Closing", "Result", "Window", "WindowStats", "scale_of"]
+__all__ = ["Closing", "Result", "Tally", "WindowStats", "scale_of"]

@@ -26,14 +26,12 @@ from token_mean._audit import Audit, Auditor, AuditSchedule, MicroBatch, Objecti
 from token_mean._compare import Divergence
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
-from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import global_norm, grad_norm
-from token_mean._hooks import TokenMeanStrategy
-from token_mean._measure import MeasuredWindow, default_world
+from token_mean._measure import Measured, Published, Windows
 from token_mean._mode import LossReduction
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
-from token_mean._record import Channel
 from token_mean._window import WindowStats
+from token_mean.strategy import TokenMeanStrategy
 
 
 class DenominatorMonitor(Callback):
@@ -124,12 +122,11 @@ class DenominatorMonitor(Callback):
         self._observer: Observer | None = None  # from `setup` (it reads the reference)
         self._objective: Objective | None = None  # what the audit recomputes, from `setup`
         self._strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged
-        self._measuring = _Measuring(count_valid_labels, "mean")
+        self._windows: Windows = Measured(count_valid_labels, "mean")  # where each window's numbers come from
         self._window_started_at = 0.0
         self._window_length = 0
         self._grad_norm: Tensor | None = None
         self._step_at_batch_start = 0
-        self._warned_missing_window = False
 
     @property
     def first_divergence(self) -> Divergence | None:
@@ -145,18 +142,18 @@ class DenominatorMonitor(Callback):
         if self._strategy is not None:
             self._strategy.track_rank_counts()  # the per-rank figures need every rank's count
         count_fn, reduction = _measured_by(self._count_fn_arg, self._loss_reduction_arg, self._strategy)
-        self._measuring = _Measuring(count_fn, reduction)
+        self._windows = Measured(count_fn, reduction) if self._strategy is None else Published(self._strategy)
         self._observer = Observer(self._settings)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
         self._objective = _trainer_objective(trainer, count_fn, reduction, aux, self._auditing.enabled)
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        assert self._observer is not None  # `setup` runs first
+        if self._observer is None:  # `setup` of another stage
+            return
         self.last_window = None
-        self._warned_missing_window = False
         self._reset_window()
-        self._measuring.start(trainer.strategy.root_device)
+        self._windows.start(trainer)
         self._auditing.prepare(pl_module, self._objective, str(trainer.precision))  # sharded after `setup`
         self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
@@ -164,7 +161,7 @@ class DenominatorMonitor(Callback):
     def _reset_window(self) -> None:
         self._window_length = 0
         self._grad_norm = None
-        self._measuring.reset()
+        self._windows.reset()
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
@@ -175,8 +172,12 @@ class DenominatorMonitor(Callback):
         self._step_at_batch_start = trainer.global_step
         if self._window_length == 0:
             self._window_started_at = time.perf_counter()
-        filler = self._strategy is not None and self._strategy.is_filler_batch
-        self._auditing.micro_batch(trainer.global_step, self._window_length == 0, batch, filler, batch_idx)
+        self._auditing.micro_batch(trainer.global_step, self._window_length == 0, batch, False, batch_idx)
+
+    @override
+    def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
+        if self._strategy is not None and self._strategy.is_filler_batch:  # known from the micro-batch's forward on
+            self._auditing.filler()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
@@ -190,40 +191,27 @@ class DenominatorMonitor(Callback):
     def on_train_batch_end(
         self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
-        assert self._observer is not None  # `setup` runs first
-        if self._strategy is None:
-            # Lightning divided the closure loss by K under automatic optimization
-            divisor = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
-            self._measuring.add(batch, outputs, divisor, batch_idx, self._step_at_batch_start)
+        observer = self._observer
+        if observer is None:
+            return
+        self._windows.add(trainer, pl_module, batch, outputs, batch_idx, self._step_at_batch_start)
         self._window_length += 1
         if not _lightning.steps_after_this_batch(trainer):
             return  # still accumulating
         step, gradient = self._step_at_batch_start, self._grad_norm
         elapsed = time.perf_counter() - self._window_started_at
-        stats, naive_loss = self._measuring.finish() if self._strategy is None else (self._published(step), None)
+        stats, naive_loss = self._windows.finish(step)
         self._reset_window()
         audit = self._auditing.window_end(step)
         if stats is None:
             return
         self.last_window = stats
         _lightning.show_on_progress_bar(trainer, _bar_values(stats))
-        norms = (gradient, _param_norm(trainer, pl_module)) if self._observer.fingerprints else (None, None)
+        norms = (gradient, _param_norm(trainer, pl_module)) if observer.fingerprints else (None, None)
         audit_error = None if audit is None else audit.error
-        metrics, divergent = self._observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
+        metrics, divergent = observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
         if _should_log(trainer, self.logging_interval, step) or divergent or audit_error is not None:
             _log_metrics(trainer, metrics, step)
-
-    def _published(self, step: int) -> WindowStats | None:
-        """The strategy's stats of the window that just ended (None, with a warning once, if it published none)."""
-        assert self._strategy is not None
-        stats = self._strategy.last_window
-        if stats is not None and stats is not self.last_window:
-            return stats
-        if not self._warned_missing_window:
-            self._warned_missing_window = True
-            rank_zero_warn(f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
-                           " DenominatorMonitor logs nothing for such steps.")
-        return None
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
@@ -349,36 +337,6 @@ def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trai
         " (unfrozen after wrapping), callbacks' `on_before_optimizer_step` that ran before the monitor's"
     )
     return "; ".join(present)
-
-
-class _Measuring:
-    """The monitor's own measurement of each window, under a strategy that publishes none."""
-
-    def __init__(self, count_fn: CountFn, loss_reduction: str) -> None:
-        self._count_fn = count_fn
-        self._loss_reduction = loss_reduction
-        self._channel = Channel(default_world(torch.device("cpu")), rank_counts=True)
-        self._window: MeasuredWindow | None = None  # the window being measured
-
-    def start(self, device: torch.device) -> None:
-        world = default_world(device)
-        if world.distributed:
-            # the measurement's collectives run on the default group, which a plain strategy never destroys: a
-            # gloo group alive when the interpreter finalizes can abort the exit (token_mean._exit)
-            destroy_process_group_at_exit()
-        self._channel = Channel(world, rank_counts=True)
-
-    def reset(self) -> None:
-        self._window = None
-
-    def add(self, batch: Any, outputs: Any, divisor: int, position: int, step: int) -> None:
-        if self._window is None:
-            self._window = MeasuredWindow(self._channel, self._count_fn, self._loss_reduction, position, step)
-        self._window.add(batch, outputs, divisor)
-
-    def finish(self) -> tuple[WindowStats, float]:
-        assert self._window is not None  # `add` ran for the window's last batch
-        return self._window.finish()
 
 
 __all__ = ["DenominatorMonitor"]

@@ -13,12 +13,12 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from token_mean import _lightning
+from token_mean import _fsdp, _lightning
 from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
 from token_mean._core import Layout
-from token_mean._fsdp import AfterReduction, Outputs, check_reduction, mesh_world
-from token_mean._hooks import TokenMeanStrategy
+from token_mean._fsdp import Outputs, check_reduction
 from token_mean._mode import Mode
+from token_mean.strategy import TokenMeanStrategy
 
 _PASSED_THROUGH = named_parameters(ModelParallelStrategy.__init__)
 
@@ -106,15 +106,14 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
     @override
     def _layout(self) -> Layout:
         model = self.model
-        assert model is not None  # `fit` set it up before `setup` asks
-        data_parallel = self.device_mesh["data_parallel"].size()
-        return Layout(mesh_world(self.device_mesh, self.root_device), lambda: AfterReduction(model, data_parallel))
+        if model is None:
+            raise RuntimeError("token_mean: internal error: no model at fit start.")
+        return _fsdp.layout(model, self.device_mesh, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING:
-            assert self.model is not None
+        if trainer.state.fn == TrainerFn.FITTING and self.model is not None:
             data_parallel = self.device_mesh["data_parallel"].size()
             if not check_reduction(self.model, data_parallel, type(self).__name__) and data_parallel > 1:
                 rank_zero_warn(

@@ -1,27 +1,229 @@
-"""``TokenMeanDDPStrategy``: DDP whose optimizer step follows the mean loss over all valid items of the step."""
+"""The token-mean Trainer strategies: ``TokenMeanStrategy``, the hooks both share, and ``TokenMeanDDPStrategy``.
+
+``TokenMeanStrategy`` sits in front of a Lightning parallel strategy in the method resolution order (``class
+TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy)``). Its hooks are a few lines each: Lightning's loop hands
+batches to the fit's :class:`~token_mean._epoch.Epochs` (``_lightning.read_through``), ``training_step`` takes the
+micro-batch from the current epoch, ``backward`` runs what the micro-batch says, and ``optimizer_step`` steps after
+the window's last. A strategy built on it says only what its parallel layout is (``_layout``) and where its
+checkpoint state is restored.
+"""
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from abc import abstractmethod
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+import lightning.pytorch as pl
+import torch.distributed as dist
+from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from torch import Tensor
+from torch.nn import Module
 from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
 from typing_extensions import override
 
-from token_mean import _lightning, _torch
+from token_mean import _ddp, _lightning
 from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
-from token_mean._core import Layout
-from token_mean._ddp import InReduction, ShadowBackward, UnreducedParameters
-from token_mean._hooks import TokenMeanStrategy
-from token_mean._mode import Mode
-from token_mean._record import World
+from token_mean._core import Layout, checked_settings, make_mode
+from token_mean._counting import CountFn
+from token_mean._epoch import Epochs
+from token_mean._exit import destroy_process_group_at_exit
+from token_mean._mode import LossReduction, MicroBatch, Mode, StepOutput
+from token_mean._trainer import CHECKPOINT_KEY, catch_up, check_fit, checkpoint_state, once, restore, step_disagreement
+from token_mean._window import WindowStats
+
+
+class TokenMeanStrategy(ParallelStrategy):
+    """The base of the token-mean Trainer strategies: ``isinstance(trainer.strategy, TokenMeanStrategy)``.
+
+    Not a strategy by itself: a subclass also derives from a concrete Lightning strategy and says what its parallel
+    layout is (``_layout``).
+    """
+
+    def __init__(
+        self,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
+        **kwargs: Any,
+    ) -> None:
+        self._settings, self._mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
+        self._check_kwargs(self._mode_name, kwargs)
+        super().__init__(**kwargs)
+        self._epochs: Epochs | None = None  # the fit's passes (and its mode), from `setup` on
+        self._micro: MicroBatch | None = None  # the micro-batch in flight, until its window's optimizer step
+        self._last_window: WindowStats | None = None
+        self._track_rank_counts = False
+
+    @property
+    def count_fn(self) -> CountFn:
+        """The count of valid items of one micro-batch: the user's ``count_fn`` or the ``labels != -100`` default."""
+        return self._settings.count_fn
+
+    @property
+    def loss_reduction(self) -> LossReduction:
+        return self._settings.loss_reduction
+
+    @property
+    def mode(self) -> Mode:
+        return self._mode_name
+
+    @property
+    def last_window(self) -> WindowStats | None:
+        """What the last accumulation window used (None before the first ended)."""
+        return self._last_window
+
+    @property
+    def skipped_steps(self) -> int:
+        """Optimizer steps skipped because their window had no valid item on any rank."""
+        return 0 if self._epochs is None else self._epochs.mode.skipped_steps
+
+    @property
+    def is_filler_batch(self) -> bool:
+        """True while the micro-batch in flight is a zero-weight repeat of an exhausted rank: in its
+        ``training_step`` and its backward (``on_before_backward``, ``on_after_backward``), as ``token_mean.
+        in_filler_batch()`` says; metrics, ``self.log`` and BatchNorm statistics see it unless they check
+        (``TokenMeanLoss`` does)."""
+        return self._micro is not None and self._micro.is_filler
+
+    def track_rank_counts(self) -> None:
+        """Publish every rank's count in ``last_window.rank_counts`` (P more floats in each window's collective).
+
+        Call it before ``fit`` starts (a callback's ``setup`` does): the records of a fit keep one length.
+        """
+        self._track_rank_counts = True
+
+    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+        """Refuse the parent strategy's arguments that ``mode`` cannot combine with (none by default)."""
+
+    @abstractmethod
+    def _layout(self) -> Layout:
+        """The core's view of the parallel layout (the model is wrapped)."""
+
+    def _stand_in_loss(self) -> Tensor:
+        """What the backward runs when ``training_step`` returned no loss, so this rank's collectives still run."""
+        return _ddp.stand_in_loss(self._module())
+
+    @override
+    def setup_environment(self) -> None:
+        super().setup_environment()  # starts the process group
+        if self._distributed():
+            destroy_process_group_at_exit()
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)  # wraps the model
+        if trainer.state.fn != TrainerFn.FITTING:
+            return
+        check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
+        layout = self._layout()
+        mode = make_mode(self._mode_name, layout, self._settings, self._track_rank_counts)
+        self._epochs = Epochs(mode, self._settings.pad_uneven_ranks, "epoch", catch_up(trainer, layout))
+        _lightning.read_through(trainer, self._epochs)
+
+    def _distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def _normalizing(self) -> Epochs | None:
+        """The fit's passes, but in an epoch without backward passes (SWA's BatchNorm epoch), which runs as plain
+        DDP."""
+        if self._epochs is None or _lightning.skips_backward(self._trainer()):
+            return None
+        return self._epochs
+
+    @override
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        super().on_train_batch_start(batch, batch_idx)
+        epochs = self._normalizing()
+        if epochs is not None and epochs.current is not None:  # after the module's hook, whose -1 ends the epoch here
+            epochs.current.started(_lightning.epoch_position(self._trainer()) - 1)
+
+    @override
+    def on_train_end(self) -> None:
+        if self._epochs is not None:
+            self._epochs.settle()  # this rank may have left the last epoch early
+        super().on_train_end()
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        epochs = self._normalizing()
+        if epochs is None or epochs.current is None:
+            return super().training_step(*args, **kwargs)
+        trainer, epoch = self._trainer(), epochs.current
+        position = _lightning.batch_position(trainer)
+        micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, trainer.global_step)
+        _lightning.follow(trainer, epoch)  # a stream's window reaches its stop
+        if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
+            raise step_disagreement(position, micro.window.where, steps=False)
+        output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
+        micro.loss_to_backprop(output, args[0] if args else kwargs.get("batch"))
+        return returned  # type: ignore[no-any-return]
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        micro = self._micro
+        if micro is None or micro.backprop is None:
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+        # the micro-batch's own share of 1/N, taken from training_step's loss: Lightning's copy divided by K is unused
+        loss = super().backward(micro.backprop, optimizer, *args, **kwargs)
+        micro.backward_done()
+        if micro.last:  # the window's one host read: every rank raises before the update, even if an
+            # `optimizer_step` override skips the step
+            self._last_window = micro.window_result()
+            _lightning.follow(self._trainer(), micro.window.epoch)  # a stream goes on, or ends
+        return loss
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
+        if self._normalizing() is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        # The window's last micro-batch first: its backward ends the window, so an empty window skips the update
+        # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
+        result = closure()
+        micro, self._micro = self._micro, None
+        if micro is None or not micro.last:
+            position = -1 if micro is None else micro.position
+            raise step_disagreement(position, "no window" if micro is None else micro.window.where, steps=True)
+        if micro.window_result().skipped:
+            return None
+        return super().optimizer_step(optimizer, once(result), model, **kwargs)
+
+    def _module(self) -> pl.LightningModule:
+        module = self.lightning_module
+        if module is None:
+            raise RuntimeError("token_mean: internal error: a fit hook ran without a LightningModule.")
+        return module
+
+    def _trainer(self) -> pl.Trainer:
+        return self._module().trainer
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
+        if self._epochs is not None:
+            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._epochs, self._trainer(), self._distributed())
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
+        """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
+        0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
+        if self._epochs is None:
+            return None
+        own = restore(checkpoint.get(CHECKPOINT_KEY), self._epochs, self.world_size, self.global_rank,
+                      has_loader_states)
+        return None if own is None else own.loaders
+
 
 # DDPStrategy keeps its own named arguments and hands the rest to DistributedDataParallel when it wraps the model
 # (after launch); `module` and `device_ids` it fills in itself.
 _PASSED_THROUGH = named_parameters(DDPStrategy.__init__) | named_parameters(
     DistributedDataParallel.__init__, leave_out=("module", "device_ids")
 )
+
 
 class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     r"""DDP with gradient accumulation that optimizes the mean loss over all valid items of each optimizer step.
@@ -124,11 +326,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def _layout(self) -> Layout:
         model = self.model
-        assert isinstance(model, DistributedDataParallel)  # `fit` wraps the model before `setup` asks
-        # every rank holds its own batch: all of them share the denominator, over the default process group
-        world = World(self.world_size, self.global_rank, self.root_device, distributed=self._distributed())
-        return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
-                      lambda: _torch.rebuild_ddp_buckets(model))
+        if not isinstance(model, DistributedDataParallel):
+            raise RuntimeError("token_mean: internal error: the model is not wrapped in DDP at fit start.")
+        return _ddp.layout(model, self.root_device)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
@@ -140,3 +340,6 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
 
 TokenMeanDDPStrategy.register_strategies(StrategyRegistry)
+
+
+__all__ = ["TokenMeanDDPStrategy", "TokenMeanStrategy"]
