@@ -531,47 +531,11 @@ def test_fabric_accumulator_is_never_flagged_and_unchanged(mode: str) -> None:
     assert_unchanged(on["params"], off["params"])
 
 
-def model_parallel_refused(fabric: Any, data: list[list[Batch]]) -> str:
-    try:
-        accumulator_audited(fabric, data, "lookahead", 1)
-    except ValueError as error:
-        return str(error)
-    return "not refused"
-
-
-@pytest.mark.distributed
-def test_fabric_model_parallel_is_refused_with_the_reason() -> None:
-    from _fabric import fabric_for, launched
-
-    message = launched(fabric_for("fsdp"), model_parallel_refused, ragged_batches(2, 3, seed=247))
-    assert message.startswith("`FabricMonitor(audit_every=1)` cannot audit this model: its parameters are DTensors"), (
-        message)
-
-
 def test_fabric_monitor_needs_the_loss() -> None:
     from token_mean.fabric import FabricMonitor
 
     with pytest.raises(ValueError, match=r"`audit_every=2` needs `audit_loss`, a callable fn\(model, batch\)"):
         FabricMonitor(audit_every=2)
-
-
-@pytest.mark.distributed
-@pytest.mark.timeout(90)
-@pytest.mark.parametrize(("data_parallel", "tensor_parallel"), [(2, 1), (2, 2)], ids=["fsdp2", "fsdp2xtp"])
-def test_model_parallel_is_refused_at_fit_start(tmp_path: Path, data_parallel: int, tensor_parallel: int) -> None:
-    """FSDP2 and tensor parallelism: the replay needs whole parameters, so every rank refuses before the first
-    batch, saying why."""
-    from _mesh import MeshModule
-    from test_model_parallel import strategy_for as mesh_strategy
-
-    devices = data_parallel * tensor_parallel
-    errors = raises_everywhere(tmp_path / "outcomes", lambda: audited_fit(
-        MeshModule(ragged_batches(data_parallel, 2, seed=248)), mesh_strategy("lookahead", data_parallel,
-                                                                               tensor_parallel), tmp_path, devices,
-    ), ranks=devices)
-    assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("ValueError: `DenominatorMonitor(audit_every=1)` cannot audit this model: its"
-                                " parameters are DTensors (FSDP2 or tensor parallelism)"), errors[0]
 
 
 class ManualModule(TokenModule):

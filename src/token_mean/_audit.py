@@ -14,8 +14,16 @@ statistics stay as they were). The backward of each weighted loss accumulates in
 parameters' device: one extra gradient's worth. The error ‖g − g*‖ / ‖g*‖ is taken on every rank and the largest
 is the window's (a gradient that differs between replicas is wrong on some rank).
 
-Collectives, at an audited window only: one all-reduce of two floats (N and the real micro-batches), one of the
-flat buffer (per dtype) and one MAX of the error. Nothing runs at a window that is not audited.
+A sharded module (FSDP2, tensor parallelism: :func:`_sharded_replay`) is replayed through itself, its collectives
+included, with ``torch.autograd.grad`` taken with respect to the tensors its forward uses (FSDP2's unsharded
+parameters): no ``.grad`` is written, so FSDP2 reduce-scatters nothing, and hooks accumulate the gradients into the
+flat buffer, one unsharded gradient's worth. Each rank then compares the part of ``g*`` its ``.grad`` holds, and the
+error is that of the whole gradient.
+
+Collectives, at an audited window only: one all-reduce of three floats (N, the real micro-batches, a bad count) over
+the data-parallel ranks, one of the flat buffer (per dtype) over them, and one of the error (a MAX of two floats; for
+a sharded module a SUM of six, over every rank); a sharded module's replay also runs the all-gathers and
+tensor-parallel collectives of a forward and backward per micro-batch. Nothing runs at a window that is not audited.
 """
 
 from __future__ import annotations
@@ -31,6 +39,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
+from token_mean import _torch
 from token_mean._counting import CountFn, read_count
 from token_mean._problems import DenominatorError
 
@@ -169,14 +178,12 @@ def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
     return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
 
 
-def refusal(module: nn.Module) -> str | None:
-    """Why the replay cannot audit ``module`` exactly, or None."""
-    from torch.distributed.tensor import DTensor
-
-    if any(isinstance(p, DTensor) for p in module.parameters()):
+def refusal(module: nn.Module, mesh: Any = None) -> str | None:
+    """Why the replay cannot audit ``module`` exactly, or None; ``mesh``: the run's device mesh, if it has one."""
+    if is_sharded(module) and "data_parallel" not in _dimension_names(mesh):
         return (
-            "its parameters are DTensors (FSDP2 or tensor parallelism): the replay runs the unwrapped module on"
-            " whole parameters, which a sharded module does not hold"
+            "its parameters are sharded (FSDP2 or tensor parallelism) and the run has no device mesh with a"
+            " 'data_parallel' dimension to say which ranks' items add up: run it under `ModelParallelStrategy`"
         )
     if any(isinstance(m, nn.SyncBatchNorm) for m in module.modules()):
         return (
@@ -186,6 +193,19 @@ def refusal(module: nn.Module) -> str | None:
     return None
 
 
+def data_parallel_group(mesh: Any) -> Any:
+    """The process group of the mesh's 'data_parallel' dimension (Lightning's ``ModelParallelStrategy`` meshes:
+    its ranks read different batches, the tensor-parallel ones the same); None without such a mesh (the default
+    group)."""
+    if "data_parallel" not in _dimension_names(mesh):
+        return None
+    return mesh["data_parallel"].get_group()
+
+
+def _dimension_names(mesh: Any) -> tuple[str, ...]:
+    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
+
+
 def objective_error(
     module: nn.Module,
     micro_batches: Sequence[MicroBatch],
@@ -193,9 +213,14 @@ def objective_error(
     group: Any = None,
     device: torch.device | None = None,
 ) -> Replayed:
-    """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's), the largest over the ranks of ``group``
-    (the default group when distributed); None when N = 0 on every rank. Leaves ``.grad``, the buffers and the RNG
-    streams as they were. Every rank of the group must call it for the same window."""
+    """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's); None when N = 0 on every rank. Leaves
+    ``.grad``, the buffers and the RNG streams as they were.
+
+    ``group`` holds the data-parallel ranks, whose counts and replayed gradients add up (the default group when
+    distributed). A module with plain parameters (one device, DDP) gives the largest error over the ranks of
+    ``group``; a sharded one (FSDP2, tensor parallelism: see :func:`_sharded_replay`) the error of the whole gradient,
+    every rank's shards together. Every rank of ``group`` (when sharded, of the default group) must call it for the
+    same window."""
     parameters = audited_parameters(module)
     if device is None:
         device = parameters[0][1].device if parameters else torch.device("cpu")
@@ -215,16 +240,24 @@ def objective_error(
     dtypes = [p.dtype for _, p in parameters]
     if global_count == 0:
         return Replayed(None, least_precise(dtypes))
+    window = _Window(micro_batches, counts, objective, global_count, global_real)
+    sharded = is_sharded(module)
+    parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
+    slots = _slots(parameters, used)
     after = RngState.capture()
     try:
-        buffers = _replay(module, parameters, micro_batches, counts, objective, (global_count, global_real), dtypes)
+        replay = _sharded_replay if sharded else _replay
+        buffers = replay(module, parameters, used, slots, window, dtypes)
     finally:
         after.restore()
     if distributed:
         for flat in buffers.values():
             dist.all_reduce(flat, group=group)
+    expected = _views(slots, buffers)
+    if sharded:
+        return _sharded_error(parameters, used, expected, dtypes, device, distributed)
     order = float(PRECISION_ORDER.index(least_precise(dtypes)))
-    relative = _relative_error(parameters, _views(parameters, buffers), device)
+    relative = _relative_error(parameters, expected, device)
     error = torch.stack([relative, torch.tensor(order, dtype=torch.float64, device=device)])
     if distributed:
         dist.all_reduce(error, op=dist.ReduceOp.MAX, group=group)
@@ -238,26 +271,38 @@ def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 _Key = tuple[torch.dtype, torch.device]
+_Slot = tuple[torch.dtype, torch.device, torch.Size]
+"""Where a parameter's replayed gradient lives: its dtype, the device and the shape of the tensor the forward uses."""
 
 
-def _flat_buffers(parameters: Sequence[tuple[str, nn.Parameter]]) -> dict[_Key, Tensor]:
+def _slots(parameters: Sequence[tuple[str, nn.Parameter]], used: Sequence[Tensor]) -> list[_Slot]:
+    """Each parameter's dtype, with the device and the local shape of the tensor its forward uses (itself, or
+    FSDP2's unsharded parameter: the whole parameter, or its tensor-parallel shard)."""
+    return [(p.dtype, leaf.device, _local(leaf).shape) for (_, p), leaf in zip(parameters, used, strict=True)]
+
+
+def _flat_buffers(slots: Sequence[_Slot]) -> dict[_Key, Tensor]:
     sizes: dict[_Key, int] = {}
-    for _, p in parameters:
-        key = (p.dtype, p.device)
-        sizes[key] = sizes.get(key, 0) + p.numel()
+    for dtype, device, shape in slots:
+        sizes[dtype, device] = sizes.get((dtype, device), 0) + shape.numel()
     return {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
 
 
-def _views(parameters: Sequence[tuple[str, nn.Parameter]], buffers: dict[_Key, Tensor]) -> list[Tensor]:
-    """Each parameter's slice of its dtype's flat buffer, shaped like it."""
+def _views(slots: Sequence[_Slot], buffers: dict[_Key, Tensor]) -> list[Tensor]:
+    """Each slot's part of its dtype's flat buffer, shaped like it."""
     offsets = dict.fromkeys(buffers, 0)
     views = []
-    for _, p in parameters:
-        key = (p.dtype, p.device)
-        start = offsets[key]
-        offsets[key] = start + p.numel()
-        views.append(buffers[key][start : start + p.numel()].view_as(p))
+    for dtype, device, shape in slots:
+        start = offsets[dtype, device]
+        offsets[dtype, device] = start + shape.numel()
+        views.append(buffers[dtype, device][start : start + shape.numel()].view(shape))
     return views
+
+
+def _local(tensor: Tensor) -> Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 class _Replay(nn.Module):
@@ -272,40 +317,230 @@ class _Replay(nn.Module):
         return self._loss_fn(self.module, micro_batch)
 
 
+@dataclass(frozen=True)
+class _Window:
+    """What the replay needs of the audited window: its micro-batches, their counts and the window's totals."""
+
+    micro_batches: Sequence[MicroBatch]
+    counts: Sequence[float]
+    objective: Objective
+    global_count: float
+    global_real: float
+
+    def total(self, micro_batch: MicroBatch, count: float, replayed: tuple[Tensor | None, Tensor | None],
+              dtypes: list[torch.dtype]) -> Tensor | None:
+        """w_m · loss_m (+ aux_m / M) of one replayed micro-batch (None: it adds nothing); the dtypes of what it
+        adds are appended to ``dtypes``."""
+        loss, aux = replayed
+        total = _weighted(loss, count, self.objective.loss_reduction, self.global_count)
+        dtypes += [t.dtype for t in (loss, aux) if t is not None]
+        if self.objective.with_aux and not micro_batch.filler and aux is not None:
+            total = aux / self.global_real if total is None else total + aux / self.global_real
+        return total
+
+    def adds_nothing(self, micro_batch: MicroBatch, count: float) -> bool:
+        return count == 0 and not (self.objective.with_aux and not micro_batch.filler)
+
+
 def _replay(
     module: nn.Module,
     parameters: Sequence[tuple[str, nn.Parameter]],
-    micro_batches: Sequence[MicroBatch],
-    counts: Sequence[float],
-    objective: Objective,
-    totals: tuple[float, float],
+    used: Sequence[Tensor],
+    slots: Sequence[_Slot],
+    window: _Window,
     dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
-    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, accumulated into flat buffers; the losses'
-    dtypes are appended to ``dtypes``."""
-    global_count, global_real = totals
-    buffers = _flat_buffers(parameters)
+    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for a module with plain parameters (``used``
+    are the parameters themselves), accumulated into flat buffers; the losses' dtypes are appended to ``dtypes``."""
+    buffers = _flat_buffers(slots)
     leaves = {}
-    for (name, p), view in zip(parameters, _views(parameters, buffers), strict=True):
+    for (name, p), view in zip(parameters, _views(slots, buffers), strict=True):
         leaf = p.detach().requires_grad_(True)  # shares the storage; a new autograd leaf without hooks
         leaf.grad = view  # backward accumulates in place into the flat buffer
         leaves[f"module.{name}"] = leaf
-    state = {**leaves, **{f"module.{name}": b.clone() for name, b in module.named_buffers()}}
-    replay = _Replay(module, objective.loss_fn)
-    for micro_batch, count in zip(micro_batches, counts, strict=True):
-        with_aux = objective.with_aux and not micro_batch.filler
-        if count == 0 and not with_aux:
+    state = {**leaves, **_buffer_clones(module)}
+    replay = _Replay(module, window.objective.loss_fn)
+    for micro_batch, count in zip(window.micro_batches, window.counts, strict=True):
+        if window.adds_nothing(micro_batch, count):
             continue  # no item: no gradient (its mean loss is 0/0)
         micro_batch.rng.restore()
-        with objective.context():
-            loss, aux = torch.func.functional_call(replay, state, (micro_batch,))
-        dtypes += [t.dtype for t in (loss, aux) if t is not None]
-        total = _weighted(loss, count, objective.loss_reduction, global_count)
-        if with_aux and aux is not None:
-            total = aux / global_real if total is None else total + aux / global_real
+        with window.objective.context():
+            replayed = torch.func.functional_call(replay, state, (micro_batch,))
+        total = window.total(micro_batch, count, replayed, dtypes)
         if total is not None and total.requires_grad:
             total.backward()  # type: ignore[no-untyped-call]
     return buffers
+
+
+def _buffer_clones(module: nn.Module) -> dict[str, Tensor]:
+    """The module's buffers, cloned for the replay's ``functional_call`` (BatchNorm statistics stay as they were)."""
+    return {f"module.{name}": b.clone() for name, b in module.named_buffers()}
+
+
+def is_sharded(module: nn.Module) -> bool:
+    """Whether FSDP2 or tensor parallelism holds the module's parameters (its forward runs collectives)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
+        isinstance(p, DTensor) for p in module.parameters()
+    )
+
+
+def _held_and_used(
+    module: nn.Module, parameters: Sequence[tuple[str, nn.Parameter]]
+) -> tuple[list[tuple[str, nn.Parameter]], list[Tensor]]:
+    """For a sharded module: each parameter as the optimizer holds it (FSDP2's sharded DTensor, whose ``.grad`` is
+    compared) and the tensor its forward uses (FSDP2's unsharded parameter: the whole parameter, or its
+    tensor-parallel shard; a parameter FSDP2 does not manage is both)."""
+    pairs: dict[int, tuple[nn.Parameter, Tensor]] = {}
+    for sharded, unsharded in _torch.fsdp_parameter_pairs(module):
+        pairs[id(sharded)] = pairs[id(unsharded)] = (sharded, unsharded)  # between forwards either may be registered
+    held = [(name, pairs.get(id(p), (p, p))[0]) for name, p in parameters]
+    used = [pairs.get(id(p), (p, p))[1] for _, p in parameters]
+    return held, used
+
+
+def _sharded_replay(
+    module: nn.Module,
+    parameters: Sequence[tuple[str, nn.Parameter]],
+    used: Sequence[Tensor],
+    slots: Sequence[_Slot],
+    window: _Window,
+    dtypes: list[torch.dtype],
+) -> dict[_Key, Tensor]:
+    """This rank's share of g* for a module whose parameters FSDP2 shards or tensor parallelism splits, in flat
+    buffers shaped like the ``used`` tensors' local parts (the whole parameter under FSDP2 alone, its tensor-parallel
+    shard under tensor parallelism); the losses' and the used tensors' dtypes are appended to ``dtypes``.
+
+    The forward runs through the module itself, its FSDP2 all-gathers and tensor-parallel collectives included, so
+    every micro-batch runs forward and backward on every rank, as in the run, so that the ranks' collectives stay
+    matched: one that adds nothing (no item, a filler) back-propagates its own loss with the buffers closed (its
+    gradient, NaN for a mean over no item, is dropped), or, without a loss, a zero made of the sharded modules'
+    outputs (``_fsdp.Outputs``). The backward is ``torch.autograd.grad`` with respect to the used tensors: no
+    ``.grad`` is written, so FSDP2's post-backward finds nothing to reduce-scatter, and hooks on FSDP2's sharded
+    parameters never fire (a parameter FSDP2 does not manage is its own used tensor: its hooks act on g* too). A
+    hook on each used tensor (:class:`_Sink`) adds its gradient into the tensor's slice of the flat buffer (a
+    tensor-parallel partial sum made whole first, as FSDP2 does) and hands autograd a zero that holds no memory:
+    the buffer is the one gradient's worth the replay keeps."""
+    from token_mean._fsdp import Outputs
+
+    dtypes += [leaf.dtype for leaf in used]
+    buffers = _flat_buffers(slots)
+    sink = _Sink()
+    handles = [
+        leaf.register_hook(sink.hook(leaf, view))  # type: ignore[no-untyped-call]
+        for leaf, view in zip(used, _views(slots, buffers), strict=True)
+    ]
+    outputs = Outputs(module)
+    state = _buffer_clones(module)
+    replay = _Replay(module, window.objective.loss_fn)
+    try:
+        with torch.enable_grad():
+            for micro_batch, count in zip(window.micro_batches, window.counts, strict=True):
+                micro_batch.rng.restore()
+                with outputs.kept(), window.objective.context():
+                    replayed = torch.func.functional_call(replay, state, (micro_batch,))
+                total = window.total(micro_batch, count, replayed, dtypes)
+                sink.open = total is not None and total.requires_grad
+                if not sink.open:
+                    total = next((t for t in replayed if t is not None and t.requires_grad), None)
+                if total is None:
+                    total = outputs.stand_in_loss()  # None: no sharded module ran, no collective to match
+                if total is not None:
+                    torch.autograd.grad(total, used, allow_unused=True)
+    finally:
+        for handle in handles:
+            handle.remove()
+        outputs.remove()
+    return buffers
+
+
+class _Sink:
+    """Where the sharded replay's gradients go: tensor hooks that add each used tensor's gradient into its slice of
+    the flat buffers while ``open``, and return a zero (a 0-dim tensor expanded to the gradient's shape: no memory),
+    so that ``autograd.grad`` returns nothing that holds memory."""
+
+    def __init__(self) -> None:
+        self.open = True
+
+    def hook(self, leaf: Tensor, view: Tensor) -> Callable[[Tensor], Tensor]:
+        from torch.distributed.tensor import DTensor
+
+        def add(gradient: Tensor) -> Tensor:
+            if isinstance(gradient, DTensor) and isinstance(leaf, DTensor):
+                if gradient.placements != leaf.placements:  # a tensor-parallel partial sum: FSDP2 does this too
+                    gradient = gradient.redistribute(gradient.device_mesh, leaf.placements)  # open or not: a collective
+                local = gradient.to_local()
+                if self.open:
+                    view.add_(local)
+                nothing = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+                return DTensor.from_local(nothing, gradient.device_mesh, gradient.placements, run_check=False,
+                                          shape=gradient.shape, stride=gradient.stride())
+            if self.open:
+                view.add_(gradient)
+            return torch.zeros((), dtype=gradient.dtype, device=gradient.device).expand(gradient.shape)
+
+        return add
+
+
+def _sharded_error(
+    parameters: Sequence[tuple[str, nn.Parameter]],
+    used: Sequence[Tensor],
+    expected: Sequence[Tensor],
+    dtypes: list[torch.dtype],
+    device: torch.device,
+    distributed: bool,
+) -> Replayed:
+    """‖g − g*‖ / ‖g*‖ over the whole gradient: each rank compares the part of g* its ``.grad`` holds, and one
+    all-reduce (SUM, over the default group) adds the ranks' squared sums and counts their least precise dtypes. A
+    part several ranks hold (a parameter FSDP2 does not shard, a bias tensor parallelism replicates) counts once: the
+    mean of its ranks' squared differences."""
+    ranks = dist.get_world_size() if distributed else 1
+    difference = torch.zeros((), dtype=torch.float64, device=device)
+    reference = torch.zeros((), dtype=torch.float64, device=device)
+    for (_, p), leaf, whole in zip(parameters, used, expected, strict=True):
+        applied, part, holders = _held_part(p, leaf, whole, ranks)
+        part64 = part.to(device, torch.float64)
+        applied64 = torch.zeros_like(part64) if applied is None else applied.detach().to(device, torch.float64)
+        difference += (applied64 - part64).square().sum() / holders
+        reference += part64.square().sum() / holders
+    order = PRECISION_ORDER.index(least_precise(dtypes))
+    sums = torch.cat([torch.stack([difference, reference]),
+                      torch.eye(len(PRECISION_ORDER), dtype=torch.float64, device=device)[order]])
+    if distributed:
+        dist.all_reduce(sums)
+    difference_sum, reference_sum, *dtype_ranks = sums.tolist()
+    agreed = max(index for index, count in enumerate(dtype_ranks) if count > 0)
+    if difference_sum == 0:
+        return Replayed(0.0, PRECISION_ORDER[agreed])
+    return Replayed(math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf,
+                    PRECISION_ORDER[agreed])
+
+
+def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int) -> tuple[Tensor | None, Tensor, int]:
+    """This rank's ``.grad`` of ``parameter`` (its local tensor; None if unset), the part of ``whole`` (the summed
+    gradient of ``leaf``, the tensor the forward used) in the same place, and how many ranks hold that part."""
+    from torch.distributed.tensor import DTensor, Replicate
+
+    grad = parameter.grad
+    if isinstance(grad, DTensor) and any(placement.is_partial() for placement in grad.placements):
+        grad = grad.redistribute(grad.device_mesh, [Replicate() if pl.is_partial() else pl for pl in grad.placements])
+    layout = grad if isinstance(grad, DTensor) else parameter
+    if not isinstance(layout, DTensor):
+        return grad, whole, ranks
+    mesh = layout.device_mesh
+    # FSDP2 lays a sharded parameter out as (data-parallel dims, *tensor-parallel dims); `whole` is replicated over
+    # the former and placed like the tensor-parallel `leaf` over the latter
+    inner = list(leaf.placements) if isinstance(leaf, DTensor) else []
+    placements = [Replicate()] * (mesh.ndim - len(inner)) + inner
+    with torch.no_grad():
+        spread = DTensor.from_local(whole, mesh, placements, run_check=False, shape=layout.shape,
+                                    stride=layout.stride())
+        part = spread.redistribute(mesh, layout.placements).to_local()  # from replicated: a slice, no collective
+    pieces = math.prod(mesh.size(dim) for dim, placement in enumerate(layout.placements)
+                       if not placement.is_replicate())
+    return None if grad is None else _local(grad), part, ranks // pieces
 
 
 def _weighted(loss: Tensor | None, count: float, reduction: str, global_count: float) -> Tensor | None:
@@ -344,6 +579,7 @@ class Auditor:
         self.audits: list[Audit] = []
         self._objective: Objective | None = None
         self._precision: str | None = None
+        self._group: Any = None  # the data-parallel ranks (None: the default group)
         self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
         self._done = False  # the window's audit ran
         self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
@@ -352,17 +588,22 @@ class Auditor:
     def enabled(self) -> bool:
         return self._schedule.enabled
 
-    def prepare(self, module: nn.Module, objective: Objective | None, precision: str | None = None) -> None:
-        """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it."""
+    def prepare(self, module: nn.Module, objective: Objective | None, precision: str | None = None,
+                mesh: Any = None) -> None:
+        """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it. ``mesh``: the
+        run's device mesh (default: ``module.device_mesh``, a ``LightningModule``'s under ``ModelParallelStrategy``),
+        whose 'data_parallel' dimension holds the ranks whose items add up."""
         if not self._schedule.enabled or objective is None:
             return
-        why = refusal(module)
+        if mesh is None:
+            mesh = getattr(module, "device_mesh", None)
+        why = refusal(module, mesh)
         if why is not None:
             raise ValueError(
                 f"`{self._front_end}(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
                 " `audit_every` (docs/audit.md, \"Limits\")."
             )
-        self._objective, self._precision = objective, precision
+        self._objective, self._precision, self._group = objective, precision, data_parallel_group(mesh)
         dtype = least_precise([p.dtype for p in module.parameters()])
         self._skipped_tolerance = self._schedule.tolerance_for(dtype, precision)
 
@@ -391,7 +632,7 @@ class Auditor:
         if self._recorded is None or self._done or self._objective is None:
             return None
         self._done = True
-        replayed = objective_error(module, self._recorded, self._objective, device=device)
+        replayed = objective_error(module, self._recorded, self._objective, self._group, device)
         tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
         error = replayed.error
         audit = Audit(window, error, tolerance, error is None or error <= tolerance)
@@ -417,8 +658,8 @@ class Auditor:
 FABRIC_UNSEEN = (
     "the loop's own scaling of the loss (`fabric.backward(loss / K)` averages micro-batch means, a mean of means:"
     " use `TokenMeanAccumulator`); an `audit_loss` that is not the loop's loss; gradient hooks on parameters or"
-    " modules; DDP's reducer and comm hooks; parameters DDP does not reduce (unfrozen after `fabric.setup`); anything"
-    " the loop does to `.grad` before the audit"
+    " modules; DDP's reducer and comm hooks, FSDP2's reduce-scatter and its gradient divide factor; parameters DDP"
+    " does not reduce (unfrozen after `fabric.setup`); anything the loop does to `.grad` before the audit"
 )
 
 
@@ -461,7 +702,7 @@ class FabricAuditing:
         self._loss_reduction, self._aux = loss_reduction or self._loss_reduction, aux
         objective = Objective(self._replayed_loss, self._count_fn, self._loss_reduction, aux,
                               strategy.precision.forward_context)
-        self.auditor.prepare(self._module, objective, None)
+        self.auditor.prepare(self._module, objective, None, getattr(strategy, "device_mesh", None))
         self.auditor.start(0)
 
     def _replayed_loss(self, module: nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:

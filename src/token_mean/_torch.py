@@ -83,6 +83,31 @@ def drop_fsdp_unreduced_gradients(model: Module) -> None:
                     unsharded.grad = None
 
 
+def fsdp_parameter_pairs(model: Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
+    """``(sharded, unsharded)`` for every parameter FSDP2 manages in ``model``: the DTensor registered on the module
+    between forwards, whose ``.grad`` the optimizer reads, and the tensor registered in its place during forward and
+    backward, the leaf autograd records.
+
+    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups[i].fsdp_params`` lists each group's ``FSDPParam``s;
+    an ``FSDPParam``'s ``sharded_param`` is the registered DTensor and its ``_unsharded_param`` is created at the first
+    all-gather and kept as one object (resharding frees its storage, the next all-gather refills it). Only a ``.grad``
+    set on the unsharded parameter is reduce-scattered by ``FSDPParamGroup.post_backward``: with none, it reduces
+    nothing (unless ``reduce_scatter_unused_params``, which reduces zeros) and only reshards.
+    """
+    from torch.distributed.fsdp import FSDPModule
+
+    pairs = []
+    for module in model.modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            for parameter in group.fsdp_params:
+                unsharded = getattr(parameter, "_unsharded_param", None)
+                if unsharded is not None:  # None until the first forward
+                    pairs.append((parameter.sharded_param, unsharded))
+    return pairs
+
+
 def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
     """``tensors *= factor`` in one fused kernel per device and dtype (what ``clip_grad_norm_`` uses).
 
@@ -168,6 +193,7 @@ __all__ = [
     "Reduction",
     "ddp_ignored",
     "drop_fsdp_unreduced_gradients",
+    "fsdp_parameter_pairs",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
     "multiply_",
