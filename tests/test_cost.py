@@ -26,30 +26,34 @@ from _fabric import shifted_loss
 PINNED: dict[str, list[tuple[str, ...]]] = {
     "sized": [
         ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
-        # lookahead counts each batch twice: read ahead on the CPU batch (4 host reads of the count, 2 ops each) and
-        # as `training_step` received it (2 ops per micro-batch, 16 "the count" per window), checked to agree
+        # lookahead counts each batch once, read ahead on the CPU batch (4 host reads of the count, 2 ops each); the
+        # batch `training_step` receives holds the very tensors counted (CPU, no hook), so it is not counted again.
+        # Per micro-batch: the loss times its host scale and that product's backward. Per window: the next window's
+        # counts (8 ops), the loss sum (stack, to float64, a dot with the host weights), the record and its read
         ("lookahead (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+4 (2 the count)", "+63 (16 the count)", "+1"),
-        ("deferred (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+64 (8 the count)", "0"),
-        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+45 (8 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+20 (8 the count)", "0"),
+        # deferred counts on the device (2 ops), in float64 (1), and scales the loss by count / D (2, and the
+        # product's backward); per window the sums the record carries, the gradient factor and the comm hook
+        ("deferred (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+47 (8 the count)", "0"),
+        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+42 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+4 (2 the count)", "+64 (16 the count)", "+1"),
-        ("deferred + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+65 (8 the count)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+20 (8 the count)", "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+47 (8 the count)",
          "0"),
     ],
     "unsized": [
         ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (2 the count)", "+63 (16 the count)", "+2"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+20 (8 the count)", "0"),
         # a stream's end rides in each window's record: deferred peeks one batch before the last backward (the
         # loader yields fresh memory), so the window costs one collective
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+5 (2 the count)", "+64 (8 the count)",
-         "+1"),
-        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+45 (8 the count)", "0"),
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)", "+47 (8 the count)",
+         "0"),
+        ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+42 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (2 the count)", "+64 (16 the count)", "+2"),
-        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+5 (2 the count)",
-         "+65 (8 the count)", "+1"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+20 (8 the count)", "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)",
+         "+47 (8 the count)", "0"),
     ],
 }
 
@@ -112,29 +116,26 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
         ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
         # per window: the record, read once after the last backward (+1 read). Per pass: the ranks agree on the
         # loader's length and exchange the first window's counts, before any forward: 2 all-reduces, read once
-        # each. Per micro-batch: the batch counted as the loop trains it (3 ops, on the device), the loss detached,
-        # times the host scale and that product's backward, instead of `loss / K` and its backward (2 ops each):
-        # +4. Per window, 16 of those, the read-ahead counts of the next window on the batches as the loader
+        # each. Per micro-batch: the loss times its host scale and that product's backward, instead of `loss / K`
+        # and its backward: +1. Per window: the read-ahead counts of the next window on the batches as the loader
         # yielded them (4 host reads, 12 ops; on the CPU batches beneath the loader, which moves each batch to the
-        # device only as the loop takes it), and 39 ops building, exchanging and reading the record and checking the
-        # counts agree
+        # device only as the loop takes it: the same tensors on the CPU, so not counted again) and the record
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (3 the count)", "+67 (24 the count)", "+2"),
-        # per pass: the length only. Per micro-batch: the count on the device (3 ops), the loss detached, scaled by
-        # the provisional factor and the product's backward, in place of `loss / K` (2 ops): +5. Per window, 20 of
-        # those and 44 ops building, exchanging and reading the record and folding the gradient factor into DDP's
-        # bucket (its comm hook)
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+5 (3 the count)", "+64 (12 the count)",
-         "+1"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+1", "+20 (12 the count)", "0"),
+        # per pass: the length only. Per micro-batch: the count on the device (3 ops) in float64, the loss scaled by
+        # count / D and the product's backward, in place of `loss / K` (2 ops): +6. Per window, 24 of those and the
+        # sums the record carries, the gradient factor and DDP's bucket scaled in the comm hook
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (3 the count)", "+47 (12 the count)",
+         "0"),
     ],
     "unsized": [
         ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
         # per pass, a stream: the ranks agree that every one is unsized (the length's all-reduce) and that each
         # holds batches (1 more); its end then rides in each window's record
         ("lookahead (extra)", "+1 allreduce", "+3 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+3", "+4 (3 the count)", "+67 (24 the count)", "+3"),
-        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0", "+1", "+2", "+5 (3 the count)", "+64 (12 the count)",
-         "+2"),
+         "+1 (+4 count_fn, CPU batch)", "+3", "+1", "+20 (12 the count)", "0"),
+        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0", "+1", "+2", "+6 (3 the count)", "+47 (12 the count)",
+         "0"),
     ],
 }
 

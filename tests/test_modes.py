@@ -183,7 +183,7 @@ class Loop:
     def train(self, epoch: Epoch, position: int, batch: Batch) -> MicroBatch:
         """micro-batch → forward → its loss to back-propagate → backward."""
         accumulate = self.accumulate if self.k_at is None else self.k_at(position)
-        micro = epoch.micro_batch(position, accumulate, len(self.windows))
+        micro = epoch.micro_batch(position, accumulate, lambda: len(self.windows))
         batch = self.transfer(batch)
         loss = mean_loss(self.model, batch)
         num_items = None if self.num_items is None else self.num_items(batch)
@@ -451,14 +451,14 @@ def test_position_trained_twice_or_skipped_is_refused(mode: str, again: int) -> 
     loop.train(epoch, 0, epoch.next_item()[0])
 
     with pytest.raises(RuntimeError, match="a batch was trained twice or skipped"):
-        epoch.micro_batch(again, 3, 0)
+        epoch.micro_batch(again, 3, lambda: 0)
 
 
 def test_deferred_refuses_an_aux_loss() -> None:
     loop = Loop("deferred", batches_with([4, 5]), accumulate=2)
     epoch = loop.start()
     batch = epoch.next_item()[0]
-    micro = epoch.micro_batch(0, 2, 0)
+    micro = epoch.micro_batch(0, 2, lambda: 0)
     loss = mean_loss(loop.model, batch)
     with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize"):
         micro.loss_to_backprop(StepOutput(loss, loss * 0.1, None, loss), batch)

@@ -583,3 +583,37 @@ def test_a_resumed_stateful_or_skipping_loader_is_asked_for_one_item_past_what_i
         assert reader.undrawn_start == 3 and not reader.resumed_without_state
         _, problems = epoch.at_close(7, peek=False)
         assert [problem for problem, _ in problems] == [LONGER]
+
+
+def test_batches_that_overlap_only_through_views_of_the_same_unchanged_tensors_are_not_aliased() -> None:
+    """A batch whose labels are a view of its inputs, yielded again unchanged, overlaps itself but overwrites
+    nothing; a ring buffer that yields disjoint slices of one buffer shares no bytes between batches either.
+    Control: a slice that overlaps the one held before it is aliased."""
+    ids = torch.arange(8)
+    reader = Reader(FakeLoader([{"ids": ids, "labels": ids[1:]}] * 3))
+    begin(reader, 3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, False]
+
+    ring = torch.arange(12)
+    reader = Reader(FakeLoader([{"labels": ring[start : start + 4]} for start in (0, 4, 8)]))
+    begin(reader, 3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, False]
+    assert not reader.refills
+
+    reader = Reader(FakeLoader([{"labels": ring[start : start + 4]} for start in (0, 2, 4)]))
+    begin(reader, 3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, True, True]
+
+
+def test_unchanged_is_the_very_tensors_handed_out_last_at_their_versions() -> None:
+    labels = torch.tensor([1, 2, -100])
+    reader = Reader(FakeLoader([{"labels": labels}]))
+    epoch = begin(reader, 1)
+    (batch,) = epoch.next_item()
+    assert reader.unchanged({"labels": labels})  # a new container around the same tensor (Lightning's transfer)
+    assert not reader.unchanged({"labels": labels.clone()})
+    labels[0] = -100  # a hook that writes the labels in place
+    assert not reader.unchanged(batch)

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import re
+from typing import Any
 
 import pytest
 import torch
@@ -53,14 +54,15 @@ def scalar(value: float) -> Tensor:
 
 
 class RecordingChannel(Channel):
-    """A channel that keeps the exchanges it starts, so a test can read (or replace) what a window sent."""
+    """A channel that keeps the exchanges it starts (and those it reduces at once, a diagnosis), so a test can read
+    (or replace) what a window sent."""
 
     def __init__(self, world: World, rank_counts: bool = False) -> None:
         super().__init__(world, rank_counts)
         self.exchanges: list[Exchange] = []
 
-    def start(self, kind: Kind, values: Values = Values()) -> Exchange:  # noqa: B008 (frozen)
-        exchange = super().start(kind, values)
+    def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
+        exchange = super()._exchange(kind, values, op)
         self.exchanges.append(exchange)
         return exchange
 
@@ -443,11 +445,13 @@ def test_num_items_mismatch_sums_both_sides_and_the_first_labels_over_the_micro_
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 10.0, torch.tensor(12), torch.tensor(2))
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 5.0, torch.tensor(5), torch.tensor(1))  # they agree
     closing = win.close()
+    assert channel.exchanges[0].record[Slot.DIFFERENT] == 1.0  # the window's record: one pair differs
 
-    (exchange,) = channel.exchanges
-    assert [exchange.record[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
     with pytest.raises(DenominatorError, match=r"rank 0: the default count \(`batch\['labels'\] != -100`\)") as raised:
         closing.result()
+    _, diagnosis = channel.exchanges  # the diagnosis: which problem, and by how much
+    assert diagnosis.kind is Kind.DIAGNOSIS
+    assert [diagnosis.record[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
     assert "'num_items' sums to 10, the count to 12; the count is higher by exactly the 2 valid labels" in str(
         raised.value
     )
@@ -459,9 +463,9 @@ def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> No
     win.add(torch.tensor(4), scalar(1.0), filler=False)
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, torch.tensor(3), torch.tensor(4))
     closing = win.close()
-    assert channel.exchanges[0].record[Slot.FIRST] == 0.0
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' reported") as raised:
         closing.result()
+    assert channel.exchanges[-1].record[Slot.FIRST] == 0.0
     assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
 
 
@@ -473,9 +477,9 @@ def test_count_changed_sums_the_count_read_and_the_count_received_over_the_micro
         win.check_equal(Problem.COUNT_CHANGED, read, torch.tensor(received))
     closing = win.close()
 
-    assert [channel.exchanges[0].record[slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
     with pytest.raises(DenominatorError, match=r"10 valid items as the loader yielded them, 4 in the batches"):
         closing.result()
+    assert [channel.exchanges[-1].record[slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
 
 
 def test_checks_that_agree_raise_nothing() -> None:
@@ -565,3 +569,40 @@ def test_fake_ranks_with_windows_of_different_lengths_raise_uneven() -> None:
     for closing in closings:
         with pytest.raises(DenominatorError, match=r"different lengths \(total 5 micro-batches over 3 ranks\)"):
             closing.result()
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the record carries sums; which rank had which problem is only worked out when a sum shows one
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+def test_a_window_without_problems_runs_one_exchange_and_one_with_a_device_problem_a_diagnosis() -> None:
+    """The common path is one collective; a sum that shows a problem (here a NaN loss with items) makes every rank
+    work out its own problems and exchange them once more, and the error names the problem, not just the sum."""
+    channel = RecordingChannel(World.single())
+    win = window(channel)
+    win.add(torch.tensor(3), scalar(0.5), filler=False)
+    win.close().result()
+    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW]
+
+    channel = RecordingChannel(World.single())
+    win = window(channel)
+    win.add(torch.tensor(3), scalar(NAN), filler=False)
+    closing = win.close()
+    assert channel.exchanges[0].record[ranks_slot(Problem.BAD_LOSS)] == 0.0  # not decided before the backward
+    with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
+        closing.result()
+    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW, Kind.DIAGNOSIS]
+    assert channel.exchanges[1].record[ranks_slot(Problem.BAD_LOSS)] == 1.0
+
+
+def test_host_counts_sum_on_the_host_and_weight_the_losses_with_items() -> None:
+    """Lookahead's counts are host floats: N's share needs no kernel, the loss sum one product of the losses that
+    have items (an empty micro-batch's NaN mean, and a filler, add nothing)."""
+    win = window(judge_counts=False)
+    win.add(3.0, scalar(0.5), filler=False)
+    win.add(0.0, scalar(NAN), filler=False)
+    win.add(5.0, scalar(2.0), filler=False)
+    win.add(0.0, None, filler=True)
+    result = win.close().result()
+    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM], result.local_count) == (8.0, 11.5, 8.0)

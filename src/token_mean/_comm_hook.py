@@ -29,6 +29,10 @@ def scaled_allreduce_hook(
         work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), async_op=True)
     else:
         buffer.mul_(factor)
+        if dist.get_world_size() == 1:  # the sum over one rank is the buffer itself: no collective to wait for
+            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+            done.set_result(buffer)
+            return done
         work = dist.all_reduce(buffer, async_op=True)
     assert work is not None
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda done: done.value()[0])

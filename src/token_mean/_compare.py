@@ -69,10 +69,11 @@ class TraceComparison:
     """
 
     def __init__(self, path: str | os.PathLike[str], rtol: float, atol: float,
-                 monitor: str = "DenominatorMonitor") -> None:
+                 monitor: str = "DenominatorMonitor", rows: dict[int, TraceRow] | None = None) -> None:
         self.path = os.fspath(path)
         self.monitor = monitor  # the front end's monitor, named in messages
-        self.rows: dict[int, TraceRow] = read_trace(path, writer=monitor)
+        # the trace at `path`, or `rows` already read (`python -m token_mean.plot` compares two it read)
+        self.rows: dict[int, TraceRow] = read_trace(path, writer=monitor) if rows is None else rows
         self.rtol = rtol
         self.atol = atol
 

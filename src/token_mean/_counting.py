@@ -49,14 +49,13 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
 def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, str]:
     """One count as a 0-dim tensor on ``device`` (no host sync), or ``(None, what is wrong)`` for a bad type.
 
-    A tensor keeps its dtype (the window converts its stacked counts to float64 once); a Python number becomes
-    float64.
+    Both a tensor (in the copy, or the conversion, it needs anyway) and a Python number become float64.
     """
     count, detail = check_count(value, source)
     if count is None:
         return None, detail
     if isinstance(count, Tensor):
-        return count.to(device, non_blocking=True), ""
+        return count.to(device, torch.float64, non_blocking=True), ""
     return _torch.to_device([count], torch.float64, torch.device(device)).reshape(()), ""
 
 

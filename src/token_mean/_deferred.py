@@ -78,19 +78,19 @@ class Deferred(WindowMode):
     def _open(self, epoch: Epoch, tally: Tally, previous: Window | None) -> Window:
         return _DeferredWindow(self, epoch, tally, epoch.reach(tally.start, tally.accumulate))
 
-    def provisional(self, estimate: Tensor) -> Tensor:
-        """D, sized by the run's first micro-batch (``estimate``: its count times K) when there is none yet.
+    def provisional(self, estimate: Callable[[], Tensor]) -> Tensor:
+        """D, sized by the run's first micro-batch (``estimate()``: its count times K) when there is none yet.
 
         Where gradients are averaged before any per-rank factor (``World.gradients_averaged``), every rank must
         divide by the same D: the estimates are averaged over the ranks, one collective once per run (and not after
         a resume, which restores D), read on the device only. Under DDP the hook applies each rank's own D/N.
         """
         if self._provisional is None:
-            world = self.channel.world
+            world, first = self.channel.world, estimate()
             if world.gradients_averaged and world.distributed:
-                exchange = self.channel.start(Kind.PROVISIONAL, Values(device=[(Slot.COUNT, estimate)]))
-                estimate = exchange.wait()[Slot.COUNT] / world.size
-            self._provisional = torch.clamp(estimate.to(torch.float64), min=1.0)
+                exchange = self.channel.start(Kind.PROVISIONAL, Values(device=[(Slot.COUNT, first)]))
+                first = exchange.wait()[Slot.COUNT] / world.size
+            self._provisional = torch.clamp(first.to(torch.float64), min=1.0)
         return self._provisional
 
     def follow(self, global_count: float) -> None:
@@ -147,7 +147,7 @@ class _DeferredWindow(Window):
             tally.flag(Problem.NO_LOSS)
         tally.add(count, None if micro.filler else output.loss, micro.filler)
         if micro.position == self.start:
-            self._provisional = self.mode.provisional(count * self.accumulate)
+            self._provisional = self.mode.provisional(lambda: count * self.accumulate)
         if micro.last:
             self._closing = self._close({}, peek=True)
             self.mode.reducing = self
@@ -162,9 +162,8 @@ class _DeferredWindow(Window):
         if self._factor is None:
             if self._closing is None:
                 raise RuntimeError("token_mean: internal error: the gradient was reduced before the window closed.")
-            global_count = self._closing.global_count()
-            ratio = self._provisional / global_count
-            self._factor = torch.where(global_count > 0, ratio, torch.zeros_like(ratio))
+            # D >= 1, so D/N is +inf exactly when N = 0: that window changes nothing
+            self._factor = torch.nan_to_num(self._provisional / self._closing.global_count(), posinf=0.0)
         return self._factor
 
     def end(self, micro: MicroBatch) -> WindowStats:

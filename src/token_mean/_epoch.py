@@ -86,13 +86,14 @@ class Epoch:
         """The next item for the loop; ``StopIteration`` at the pass's end."""
         return self.reader.next_item(self.length)
 
-    def micro_batch(self, position: int, accumulate: int, step: int) -> MicroBatch:
+    def micro_batch(self, position: int, accumulate: int, step: Callable[[], int]) -> MicroBatch:
         """The micro-batch at ``position`` is about to run its forward with K = ``accumulate`` (its window opens
-        here when the last one ended); ``step`` is the optimizer step its window is, as messages number it."""
+        here when the last one ended); ``step()`` is the optimizer step its window is, as messages number it (asked
+        only when a window opens)."""
         self._trained = position
         window = self._window
         if window is None or window.ended:
-            window = self._window = self.mode.open(self, position, accumulate, step, window)
+            window = self._window = self.mode.open(self, position, accumulate, step(), window)
         return window.micro_batch(position, accumulate)
 
     def started(self, position: int) -> None:

@@ -12,13 +12,12 @@ after the loader (``on_after_batch_transfer``) is an error before the update, no
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from torch import Tensor
 
-from token_mean._counting import read_count
+from token_mean._counting import first_labels, read_count
 from token_mean._mode import MicroBatch, StepOutput, Window, WindowMode
 from token_mean._problems import Problem
 from token_mean._reader import Entry
@@ -29,8 +28,7 @@ if TYPE_CHECKING:
     from token_mean._epoch import Epoch
 
 
-@dataclass(frozen=True)
-class _Counts:
+class _Counts(NamedTuple):
     """A window's counts, known before its first forward: this rank's per position, and their sums over ranks."""
 
     stop: int
@@ -100,6 +98,9 @@ class _LookaheadWindow(Window):
     def __init__(self, mode: Lookahead, epoch: Epoch, tally: Tally, counts: _Counts) -> None:
         super().__init__(mode, epoch, tally, counts.stop)
         self.counts = counts
+        # the reduction averages over P: an item's share of 1/N, and the micro-batch's weight per count
+        self._share = scale_of(mode.world_size, counts.global_count)
+        self._mean = mode.settings.loss_reduction == "mean"
         self.next_counts: _Counts | None = None  # the next window's, announced in this window's record
         self._next_local: list[float] = []
         self._closing: Closing | None = None  # its exchange, from its last forward on
@@ -114,13 +115,19 @@ class _LookaheadWindow(Window):
     def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
         tally = self.tally
         if micro.filler:
-            tally.add(tally.zero(), None, filler=True)
+            tally.add(0.0, None, filler=True)
         else:
-            received = self._count_received(batch, output, use_num_items=False)
-            tally.check_equal(Problem.COUNT_CHANGED, micro.count, received)
+            if self.epoch.reader.unchanged(batch):  # the very tensors counted as read: only 'num_items' to check
+                if output.num_items is not None:
+                    reported = self._checked(output.num_items, "'num_items'")
+                    if reported is not None:
+                        tally.check_equal(self.mode.settings.mismatch, reported, micro.count, first_labels(batch))
+            else:  # moved to the device or changed by a hook: counted again as received, and the two must agree
+                received = self._count_received(batch, output, use_num_items=False)
+                tally.check_equal(Problem.COUNT_CHANGED, micro.count, received)
             if output.loss is None:
                 tally.flag(Problem.NO_LOSS)
-            tally.add(received, output.loss, filler=False, aux=output.aux_loss)
+            tally.add(micro.count, output.loss, filler=False, aux=output.aux_loss)
         if micro.last:
             entries = self.epoch.entries(self.stop, self.epoch.window_stop(self.stop, self.accumulate))
             self._next_local, host = self.mode.announce(entries, tally)
@@ -130,9 +137,7 @@ class _LookaheadWindow(Window):
     def _scaled(self, micro: MicroBatch, output: StepOutput) -> Tensor:
         counts, loss = self.counts, output.backprop
         if micro.count > 0:
-            items = micro.count if self.mode.settings.loss_reduction == "mean" else 1.0
-            # the reduction averages over P: this gives the micro-batch its share of 1/N
-            scaled = loss * (self.mode.world_size * items / counts.global_count)
+            scaled = loss * ((micro.count if self._mean else 1.0) * self._share)
         else:  # the mean of an empty micro-batch is 0/0 = NaN; its backward must still run for the reduction
             scaled = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         if output.aux_loss is not None:

@@ -9,11 +9,9 @@ Lightning (or the loop) its items.
 
 from __future__ import annotations
 
-import weakref
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, NamedTuple
 
 from torch import Tensor
 from torch.utils._pytree import tree_flatten
@@ -21,8 +19,7 @@ from torch.utils._pytree import tree_flatten
 from token_mean import _torch
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """One batch handed (or to be handed) to the loop, by its position in the epoch."""
 
     position: int
@@ -31,54 +28,69 @@ class Entry:
     aliased: bool = False  # it shares memory with a batch still held or in flight when it was read
 
 
-@dataclass(frozen=True)
-class _Memory:
-    """The storages a batch's tensors use, each with the tensors on it (weakly) and their version counters.
+class _Memory(NamedTuple):
+    """The bytes a batch's tensors cover: each tensor's span ``(start, stop, id, version)``.
 
-    A batch that shares a storage with another is a refilled buffer, unless both hold the very same tensors there,
-    unchanged since the other was read: a loader that yields one batch again (a one-batch epoch cycled, a dataset of
-    stored tensors) without writing to it.
+    A batch whose memory overlaps another's is a refilled buffer, unless it is the very same tensors there, unchanged
+    since the other was read: a loader that yields one batch again (a one-batch epoch cycled, a dataset of stored
+    tensors) without writing to it. Tensors are told apart by ``id`` only against batches the reader or the loop
+    still holds (alive, so their ids are not reused).
     """
 
-    tensors: dict[int, tuple[tuple[weakref.ref[Tensor], int], ...]]
+    spans: tuple[tuple[int, int, int, int], ...] = ()
+    fingerprint: tuple[tuple[int, int], ...] = ()  # (id, version) of each tensor, in the batch's order
 
     def shares(self, other: _Memory) -> bool:
-        return not self.tensors.keys().isdisjoint(other.tensors)
+        return any(start < other_stop and other_start < stop
+                   for start, stop, _, _ in self.spans for other_start, other_stop, _, _ in other.spans)
 
     def overwrites(self, other: _Memory) -> bool:
-        for storage, own in self.tensors.items():
-            held = other.tensors.get(storage)
-            if held is not None and not _same(own, held):
-                return True
-        return False
+        unchanged = set(other.fingerprint)
+        return any((tensor, version) not in unchanged and start < other_stop and other_start < stop
+                   for start, stop, tensor, version in self.spans for other_start, other_stop, _, _ in other.spans)
 
 
-_NO_MEMORY = _Memory({})
+_NO_MEMORY = _Memory()
 
 
-def _same(own: tuple[tuple[weakref.ref[Tensor], int], ...], held: tuple[tuple[weakref.ref[Tensor], int], ...]) -> bool:
-    return len(own) == len(held) and all(
-        (tensor := ref()) is not None and tensor is held_ref() and version == held_version
-        for (ref, version), (held_ref, held_version) in zip(own, held, strict=True)
-    )
-
-
-@dataclass(frozen=True)
-class _Held:
+class _Held(NamedTuple):
     item: Any
     entry: Entry
     state: Any  # the loaders' state before this item was read (stateful loaders only)
     storages: _Memory
 
 
-def _storages(item: Any) -> _Memory:
-    leaves, _ = tree_flatten(item)
-    tensors: dict[int, tuple[tuple[weakref.ref[Tensor], int], ...]] = {}
-    for leaf in leaves:
-        if isinstance(leaf, Tensor) and leaf.numel() > 0:
-            storage = leaf.untyped_storage().data_ptr()
-            tensors[storage] = (*tensors.get(storage, ()), (weakref.ref(leaf), _torch.version(leaf)))
-    return _Memory(tensors)
+def _storages(batch: Any) -> _Memory:
+    spans, fingerprint = [], []
+    for leaf in _tensors(batch):
+        tensor, version = id(leaf), _torch.version(leaf)
+        fingerprint.append((tensor, version))
+        if leaf.numel() > 0:
+            start = leaf.data_ptr()
+            spans.append((start, start + _torch.extent(leaf), tensor, version))
+    return _Memory(tuple(spans), tuple(fingerprint))
+
+
+def _fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple((id(tensor), _torch.version(tensor)) for tensor in tensors)
+
+
+_LEAVES = (int, float, bool, str, bytes, type(None))
+
+
+def _tensors(batch: Any) -> list[Tensor]:
+    """The tensors in a batch: plain dicts, lists and tuples walked directly (a few microseconds per batch), other
+    containers through torch's pytree."""
+    if isinstance(batch, Tensor):
+        return [batch]
+    kind = type(batch)
+    if kind is dict or kind is list or kind is tuple:
+        values = batch.values() if kind is dict else batch
+        return [tensor for value in values for tensor in _tensors(value)]
+    if isinstance(batch, _LEAVES):
+        return []
+    leaves, _ = tree_flatten(batch)
+    return [leaf for leaf in leaves if isinstance(leaf, Tensor)]
 
 
 class Reader:
@@ -153,8 +165,8 @@ class Reader:
         # first batches again, and its whole length after them
         self.resumed_without_state = start > 0 and not self.stateful and not self._skipped
         self._position += start
-        self._entries = deque(replace(entry, position=entry.position + start) for entry in self._entries)
-        self._held = deque(replace(held, entry=replace(held.entry, position=held.entry.position + start))
+        self._entries = deque(entry._replace(position=entry.position + start) for entry in self._entries)
+        self._held = deque(held._replace(entry=held.entry._replace(position=held.entry.position + start))
                            for held in self._held)
 
     @property
@@ -261,6 +273,13 @@ class Reader:
         self.read_ahead(max(position, self._position + len(self._held)) + 1, in_flight=in_flight)
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
+    def unchanged(self, batch: Any) -> bool:
+        """Whether ``batch`` holds the very tensors of the batch handed out last, unchanged since they were read (no
+        hook between the loader and the forward moved, replaced or wrote them)."""
+        # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
+        current = self._current_storages.fingerprint
+        return bool(current) and _fingerprint(_tensors(batch)) == current
+
     def yields_beyond(self, items: int) -> bool:
         """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
         until it has drawn one more, or runs out. Not for a loader under a limit."""
@@ -274,7 +293,7 @@ class Reader:
         item, filler = self._source.next()
         if filler:
             return item, Entry(position, filler=True), _NO_MEMORY
-        storages = _storages(item)
+        storages = _storages(item[0])
         self.refills = self.refills or storages.shares(self._previous_storages)  # a prior: not known to be fresh
         self._previous_storages = storages
         self._real_reads += 1

@@ -53,6 +53,8 @@ class Slot(IntEnum):
     UNSIZED = 19  # 1: this rank's training loader has no length
     UNSURE = 20  # 1: a rank could not look past the window before its last backward (a stream's next batch, or a
     # sized pass's item past its length: its loader refills a buffer, or a resume restarted it)
+    BAD_COUNTS = 21  # micro-batches whose count on the device is negative or not finite (a diagnosis says whose)
+    DIFFERENT = 22  # checked pairs whose two sides differ ('num_items' and the count, read ahead and received)
 
 
 class Kind(Enum):
@@ -66,11 +68,13 @@ class Kind(Enum):
     PAST_END = "the check, after an epoch's last backward, that no loader yields more batches than its `len()`"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
     LEFT = "the end of its epoch, at a batch it did not train (`on_train_batch_start` returned -1)"
+    DIAGNOSIS = "the diagnosis of a window whose sums showed a problem (which ranks had which)"
 
 
 Mark = Problem | Kind
 MARKS: tuple[Mark, ...] = (*Problem, *Kind)
 _MARK_INDEX = {mark: index for index, mark in enumerate(MARKS)}
+_FIRST_KIND = len(Problem)  # the kinds' marks follow the problems'
 RANKS = len(Slot)  # then one slot per mark: how many ranks set it
 BITS = RANKS + len(MARKS)  # then one per mark: the sum of 2**rank over those ranks below NAMED_RANKS
 RECORD_SIZE = BITS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
@@ -130,45 +134,50 @@ class Channel:
         self.rank_counts = rank_counts
         self._on_out_of_step = on_out_of_step
         self._sequence = 0
+        self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
+        self._indices: dict[tuple[int, ...], Tensor] = {}
 
     def record(self, kind: Kind, values: Values = Values()) -> Tensor:
         """This rank's record for a collective of ``kind``: one host-to-device copy of the host values, and one
         ``index_add`` of the device values (a handful of kernels, whatever the number of values)."""
         world = self.world
-        size = RECORD_SIZE + (world.size if self.rank_counts else 0)
-        host = [0.0] * size
+        host = [0.0] * (RECORD_SIZE + (world.size if self.rank_counts else 0))
         for slot, value in values.host.items():
             host[slot] = value
         host[Slot.SEQUENCE] = float(self._sequence)
         host[Slot.SEQUENCE_SQUARED] = float(self._sequence**2)
-        bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
+        bit = self._bit
         marks: tuple[Mark, ...] = (kind, *values.flags)
         for mark in marks:
             host[RANKS + _MARK_INDEX[mark]] = 1.0
             host[BITS + _MARK_INDEX[mark]] = bit
         index = [int(slot) for slot, _ in values.device]
-        parts = [torch.stack([value.to(torch.float64) for _, value in values.device])] if values.device else []
+        parts = [_float64(value) for _, value in values.device]
         if self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
             host[RECORD_SIZE + world.rank] = host[Slot.COUNT]
             index += [RECORD_SIZE + world.rank for slot, _ in values.device if slot is Slot.COUNT]
-            parts += [value.reshape(1).to(torch.float64) for slot, value in values.device if slot is Slot.COUNT]
+            parts += [_float64(value) for slot, value in values.device if slot is Slot.COUNT]
         # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
         # decided twice on the device counts once)
         decided: dict[Problem, list[Tensor]] = {}
         for problem, flag in values.device_flags:
             if problem not in values.flags:
                 decided.setdefault(problem, []).append(flag)
-        device_flags = [(problem, flags[0] if len(flags) == 1 else torch.stack(flags).any())
-                        for problem, flags in decided.items()]
-        if device_flags:
-            raised = torch.stack([flag for _, flag in device_flags]).to(torch.float64)
-            index += [RANKS + _MARK_INDEX[problem] for problem, _ in device_flags]
-            index += [BITS + _MARK_INDEX[problem] for problem, _ in device_flags]
+        for problem, flags in decided.items():
+            raised = _float64(flags[0] if len(flags) == 1 else torch.stack(flags).any())
+            index += [RANKS + _MARK_INDEX[problem], BITS + _MARK_INDEX[problem]]
             parts += [raised, raised * bit]
         record = _torch.to_device(host, torch.float64, world.device)
         if index:
-            record = record.index_add(0, _torch.to_device(index, torch.int64, world.device), torch.cat(parts))
+            record = record.index_add(0, self._index(tuple(index)), torch.stack(parts))
         return record
+
+    def _index(self, slots: tuple[int, ...]) -> Tensor:
+        """The device index tensor of ``slots``, made once per set of slots (a window's are the same every time)."""
+        index = self._indices.get(slots)
+        if index is None:
+            index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
+        return index
 
     def start(self, kind: Kind, values: Values = Values()) -> Exchange:
         """Start the collective without waiting for it."""
@@ -240,10 +249,10 @@ class Reduced:
 
     def in_step(self) -> bool:
         """Every rank ran the same collective, as its same-numbered collective on the channel."""
-        size = self.world.size
-        kinds_present = [kind for kind in Kind if self.ranks_with(kind)[0] > 0]
-        sequence, squares = self[Slot.SEQUENCE], self[Slot.SEQUENCE_SQUARED]
-        return kinds_present == [self.kind] and self.ranks_with(self.kind)[0] == size and squares * size == sequence**2
+        size, values = self.world.size, self.values
+        kinds = values[RANKS + _FIRST_KIND : RANKS + _FIRST_KIND + len(Kind)]  # how many ranks were at each kind
+        sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
+        return sum(kinds) == size and values[RANKS + _MARK_INDEX[self.kind]] == size and squares * size == sequence**2
 
     def lengths_agree(self) -> bool:
         """All ranks ran windows of one length (integers, exact in float64)."""
@@ -259,7 +268,7 @@ class Reduced:
                 what = problem.what + (self.num_items_note() if problem.name.startswith("NUM_ITEMS") else "")
                 what += self.count_changed_note() if problem is Problem.COUNT_CHANGED else ""
                 lines.append(f"{_who(ranks, named)}: {what}. Fix: {problem.fix}")
-        if self.kind is Kind.WINDOW and not self.lengths_agree():
+        if self.kind in (Kind.WINDOW, Kind.DIAGNOSIS) and not self.lengths_agree():
             lines.append(f"{Problem.UNEVEN.what} (total {self[Slot.LENGTH]:g} micro-batches over {self.world.size}"
                          f" ranks). Fix: {Problem.UNEVEN.fix}")
         return lines
@@ -286,15 +295,30 @@ class Reduced:
         return (f" (over the micro-batches that changed: {self[Slot.READ]:g} valid items as the loader yielded them,"
                 f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)")
 
+    def clean(self) -> bool:
+        """Every rank ran this collective as its same-numbered one and raised nothing: the common case, told from a
+        few slots (the marks' counts add up to the ranks at this kind alone)."""
+        size, values = self.world.size, self.values
+        marks = values[RANKS:BITS]
+        sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
+        return (sum(marks) == size and marks[_MARK_INDEX[self.kind]] == size and squares * size == sequence**2
+                and (self.kind not in (Kind.WINDOW, Kind.DIAGNOSIS) or self.lengths_agree()))
+
     def check(self, where: str, detail: str = "", more: Sequence[str] = ()) -> None:
         """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any rank raised a
         problem (``more``: lines the caller judged from the record); this rank's own ``detail`` (and, out of step,
         where it was) is a note, so that the message itself is the same everywhere."""
+        if not more and self.clean():
+            return
         if not self.in_step():
             error = DenominatorError(self._out_of_step())
             error.add_note(f"On rank {self.world.rank}: at {where}" + (f"; {detail}" if detail else ""))
             raise error
         raise_lines([*self.lines(), *more], where, detail, self.world.rank)
+
+
+def _float64(value: Tensor) -> Tensor:
+    return value if value.dtype == torch.float64 else value.to(torch.float64)
 
 
 def _who(ranks: int, named: list[int]) -> str:

@@ -123,8 +123,9 @@ class Tally:
         self.step = step
         self._mean = loss_reduction == "mean"
         self._device = channel.world.device
-        self._counts: list[Tensor] = []
-        self._losses: list[Tensor] = []
+        self._zero_tensor: Tensor | None = None
+        self._counts: list[Tensor | float] = []
+        self._losses: list[Tensor | None] = []
         self._aux: list[Tensor] = []
         self._checks: dict[Problem, list[tuple[Tensor | float, Tensor | float, Tensor | None]]] = {}
         self._added: list[tuple[Slot, Tensor]] = []
@@ -148,11 +149,6 @@ class Tally:
         return set(self._flags)
 
     @property
-    def last_count(self) -> Tensor:
-        """The count of the micro-batch added last."""
-        return self._counts[-1]
-
-    @property
     def has_aux(self) -> bool:
         """Whether a micro-batch returned an 'aux_loss'."""
         return bool(self._aux)
@@ -163,18 +159,26 @@ class Tally:
         return self._detail
 
     def zero(self) -> Tensor:
-        return torch.zeros((), dtype=torch.float64, device=self._device)
+        """A float64 zero on the device (one per tally, made when first asked for)."""
+        return self._zero
+
+    @property
+    def _zero(self) -> Tensor:
+        if self._zero_tensor is None:
+            self._zero_tensor = torch.zeros((), dtype=torch.float64, device=self._device)
+        return self._zero_tensor
 
     # -------------------------------------------------------------------------------------------------------------
     # feeding
     # -------------------------------------------------------------------------------------------------------------
 
-    def add(self, count: Tensor, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
-        """One micro-batch: its count (a 0-dim tensor on the device), its loss as ``training_step`` returned it."""
+    def add(self, count: Tensor | float, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
+        """One micro-batch: its count (a 0-dim tensor on the device, or a host float judged where it was read), its
+        loss as its forward returned it."""
         self.length += 1
         self.real += not filler
         self._counts.append(count)
-        self._losses.append(self.zero() if loss is None else loss.detach() if loss.requires_grad else loss)
+        self._losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
         if aux is not None:
             self._aux.append(aux.detach())
 
@@ -198,53 +202,124 @@ class Tally:
     # -------------------------------------------------------------------------------------------------------------
 
     def close(self, announce: Values = Values()) -> Closing:  # noqa: B008 (frozen)
-        """After the window's last forward: start its exchange (``announce``: what else the record carries)."""
-        counts = torch.stack(self._counts).to(torch.float64)
-        valid = torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)  # a bad count counts nothing
-        local_count = valid.sum()
-        losses = torch.stack(self._losses).to(torch.float64)
-        values = losses * (valid if self._mean else (valid > 0).to(torch.float64))
-        # an empty micro-batch's mean is 0/0 = NaN, and NaN × 0 is NaN: it adds nothing to the loss sum
-        loss_sum = torch.nan_to_num(values, nan=0.0, posinf=0.0, neginf=0.0).sum()
-        device = [(Slot.COUNT, local_count), (Slot.LOSS_SUM, loss_sum), *self._added]
-        device_flags: list[tuple[Problem, Tensor]] = []
+        """After the window's last forward: start its exchange (``announce``: what else the record carries).
+
+        The record carries the window's sums and what tells a problem from them (a non-finite sum, a negative
+        count, a check that differs): a handful of kernels. Which rank had which problem is only worked out when
+        some sum says there is one (:meth:`Closing.result`); under tensor parallelism, where the replicas must share
+        their problems before the record, it is worked out at once.
+        """
+        length = float(self.length)
+        host = {**announce.host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
+        device = [*self._added, *announce.device]
+        flags = self._flags | announce.flags
+        device_flags = list(announce.device_flags)
+        if all(type(count) is float for count in self._counts):  # lookahead: counted on the host as read
+            local: Tensor | float = self._host_sums(host, device)
+        else:
+            local = self._device_sums(device)
+        if self._aux:
+            device.append((Slot.AUX_SUM, torch.stack(self._aux).to(torch.float64).sum()))
+        for checks in self._checks.values():
+            device.append((Slot.DIFFERENT, self._differences(checks)))
+        if self.channel.world.replica_group is not None:
+            device_flags += self.device_flags()
+            device_flags, flags = self._shared_with_replicas(self._valid(), flags, device_flags), set()
+        values = Values(host, device, frozenset(flags), device_flags)
+        return Closing(self, self.channel.start(Kind.WINDOW, values), local)
+
+    def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot, Tensor]]) -> float:
+        """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
+        multiplication of the losses that have items."""
+        counts = [float(count) for count in self._counts]
+        local = math.fsum(counts)
+        host[Slot.COUNT] = local
+        kept = [(loss, count if self._mean else 1.0) for loss, count in zip(self._losses, counts, strict=True)
+                if count > 0 and loss is not None]
+        if len(kept) == 1:
+            loss, weight = kept[0]
+            device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
+        elif kept:
+            losses = torch.stack([loss for loss, _ in kept]).to(torch.float64)
+            weights = _torch.to_device([weight for _, weight in kept], torch.float64, self._device)
+            device.append((Slot.LOSS_SUM, losses @ weights))
+        return local
+
+    def _device_sums(self, device: list[tuple[Slot, Tensor]]) -> Tensor:
+        """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an
+        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum."""
+        counts = self._stacked_counts()
+        valid = _valid(counts)
+        local = valid.sum()
+        losses = torch.stack([self._zero if loss is None else loss for loss in self._losses]).to(torch.float64)
+        weights = valid if self._mean else (valid > 0).to(torch.float64)
+        terms = torch.where(valid > 0, losses, 0.0) * weights
+        if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
+            terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
+        device += [(Slot.COUNT, local), (Slot.LOSS_SUM, terms.sum())]
         if self._judge_counts:
-            device_flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()),
-                             (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
+            device.append((Slot.BAD_COUNTS, (valid != counts).sum()))  # NaN != NaN
+        return local
+
+    def _stacked_counts(self) -> Tensor:
+        counts = torch.stack([count if isinstance(count, Tensor) else torch.full((), count, dtype=torch.float64,
+                              device=self._device) for count in self._counts])
+        return counts if counts.dtype == torch.float64 else counts.to(torch.float64)
+
+    def _valid(self) -> Tensor:
+        return _valid(self._stacked_counts())
+
+    def _differences(self, checks: list[tuple[Tensor | float, Tensor | float, Tensor | None]]) -> Tensor:
+        """How many of the checks' two sides differ (the diagnosis says by how much)."""
+        left = self._stack([value for value, _, _ in checks])
+        right = self._stack([value for _, value, _ in checks])
+        return (left != right).sum().to(torch.float64)
+
+    def healthy(self, reduced: Reduced) -> bool:
+        """Whether the summed record shows no problem of the device values (a non-finite sum, a negative count, a
+        check that differs): then no rank had one."""
+        counted = math.isfinite(reduced[Slot.COUNT]) and reduced[Slot.BAD_COUNTS] == 0
+        losses = not self._judge_losses or math.isfinite(reduced[Slot.LOSS_SUM])
+        return counted and losses and math.isfinite(reduced[Slot.AUX_SUM]) and reduced[Slot.DIFFERENT] == 0
+
+    def device_flags(self) -> list[tuple[Problem, Tensor]]:
+        """Which device problems this rank had, and the slots that explain a failed check (what a diagnosis, or
+        the replicas of a tensor-parallel group, exchange)."""
+        flags: list[tuple[Problem, Tensor]] = []
+        counts = self._stacked_counts()
+        valid = _valid(counts)
+        if self._judge_counts:
+            flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
         if self._judge_losses:
+            losses = torch.stack([self._zero if loss is None else loss for loss in self._losses]).to(torch.float64)
+            values = losses * (valid if self._mean else (valid > 0).to(torch.float64))
             bad_values = _nonfinite(values) & (valid > 0)
             bad_loss = _nonfinite(losses)
             # a finite loss times a huge count: the count's fault, not the model's
-            device_flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
-                             (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
+            flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
+                      (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
         if self._aux:
-            aux = torch.stack(self._aux).to(torch.float64)
-            device.append((Slot.AUX_SUM, aux.sum()))
-            device_flags.append((Problem.BAD_AUX_LOSS, _nonfinite(aux).any()))
+            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(self._aux).to(torch.float64)).any()))
         for problem, checks in self._checks.items():
-            device += self._check_slots(problem, checks, device_flags)
-        length = float(self.length)
-        host = {**announce.host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
-        flags = self._flags | announce.flags
-        device_flags += announce.device_flags
-        if self.channel.world.replica_group is not None:
-            device_flags, flags = self._shared_with_replicas(valid, flags, device_flags), set()
-        values_ = Values(host, [*device, *announce.device], frozenset(flags), device_flags)
-        return Closing(self, self.channel.start(Kind.WINDOW, values_), local_count)
+            left = self._stack([value for value, _, _ in checks])
+            right = self._stack([value for _, value, _ in checks])
+            flags.append((problem, (left != right).any()))
+        return flags
 
-    def _check_slots(
-        self, problem: Problem, checks: list[tuple[Tensor | float, Tensor | float, Tensor | None]],
-        device_flags: list[tuple[Problem, Tensor]],
-    ) -> list[tuple[Slot, Tensor]]:
-        left = self._stack([value for value, _, _ in checks])
-        right = self._stack([value for _, value, _ in checks])
-        differ = left != right
-        device_flags.append((problem, differ.any()))
-        slots = [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right), strict=True)]
-        hints = [hint for _, _, hint in checks]
-        if any(hint is not None for hint in hints):
-            first = torch.stack([self.zero() if h is None else h.to(self._device, torch.float64) for h in hints])
-            slots.append((Slot.FIRST, (first * differ).sum()))
+    def check_slots(self) -> list[tuple[Slot, Tensor]]:
+        """The two sides of each failed check, summed over the micro-batches where they differ (and the first
+        labels there, a hint for 'num_items')."""
+        slots = []
+        for problem, checks in self._checks.items():
+            left = self._stack([value for value, _, _ in checks])
+            right = self._stack([value for _, value, _ in checks])
+            differ = left != right
+            slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
+                                                                           strict=True)]
+            hints = [hint for _, _, hint in checks]
+            if any(hint is not None for hint in hints):
+                first = torch.stack([self._zero if h is None else h.to(self._device, torch.float64) for h in hints])
+                slots.append((Slot.FIRST, (first * differ).sum()))
         return slots
 
     def _stack(self, values: list[Tensor | float]) -> Tensor:
@@ -279,6 +354,11 @@ class Tally:
         return [*((problem, shared[index[problem]]) for problem in problems), (Problem.REPLICA_COUNTS_DIFFER, differ)]
 
 
+def _valid(counts: Tensor) -> Tensor:
+    """A bad count (negative, NaN, infinite) counts nothing."""
+    return torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)
+
+
 def _nonfinite(values: Tensor) -> Tensor:
     """NaN or ±inf, elementwise, in two kernels (``~isfinite`` takes five on the CPU): x - x is 0 exactly for every
     finite x, and NaN for NaN and ±inf."""
@@ -288,7 +368,7 @@ def _nonfinite(values: Tensor) -> Tensor:
 class Closing:
     """A window after its last forward: its exchange is in flight; :meth:`result` reads it after the last backward."""
 
-    def __init__(self, window: Tally, exchange: Exchange, local_count: Tensor) -> None:
+    def __init__(self, window: Tally, exchange: Exchange, local_count: Tensor | float) -> None:
         self.window = window
         self._exchange = exchange
         self._local_count = local_count
@@ -298,10 +378,25 @@ class Closing:
         return self._exchange.wait()[Slot.COUNT]
 
     def result(self) -> Result:
-        """The reduced record and this rank's count (the window's one host read); raises every rank's problems."""
-        reduced = self._exchange.read(extra=self._local_count)
-        reduced.check(self.window.where, self.window.detail)
-        return Result(reduced, reduced.local[0], self.window.length)
+        """The reduced record and this rank's count (the window's one host read); raises every rank's problems.
+
+        Where a sum shows a problem of the device values, every rank (each read the same sum) works out its own and
+        exchanges them in one more collective, and all raise the same error naming the ranks.
+        """
+        window, local = self.window, self._local_count
+        if isinstance(local, Tensor):
+            reduced = self._exchange.read(extra=local)
+            local = reduced.local[0]
+        else:
+            reduced = self._exchange.read()
+        if reduced.in_step() and not window.healthy(reduced):
+            flags = window.device_flags()
+            length = float(window.length)
+            values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, window.check_slots(),
+                            frozenset(window.flags), flags)
+            window.channel.reduce(Kind.DIAGNOSIS, values).check(window.where, window.detail)
+        reduced.check(window.where, window.detail)
+        return Result(reduced, float(local), window.length)
 
 
 @dataclass(frozen=True)

@@ -234,7 +234,7 @@ class TokenMeanAccumulator:
                 except StopIteration:
                     completed = True
                     break
-                micro = epoch.micro_batch(position, self._accumulate, self._progress.windows)
+                micro = epoch.micro_batch(position, self._accumulate, self._windows_finished)
                 flight = self._flight = _InFlight(micro, move(item[0]))
                 if self._monitor is not None:
                     self._monitor.auditing.micro_batch(self._model, flight.batch, micro.filler)
@@ -258,6 +258,9 @@ class TokenMeanAccumulator:
         if self._monitor is not None:
             self._monitor.start(self._fabric)
         return epoch, move, start
+
+    def _windows_finished(self) -> int:
+        return self._progress.windows
 
     def _check_previous_batch(self) -> None:
         flight = self._flight

@@ -30,9 +30,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from token_mean._compare import COUNT_RTOL
-from token_mean._compare import close as _close
-from token_mean._trace import COMPARED_COLUMNS, TraceRow, read_trace
+from token_mean._compare import TraceComparison
+from token_mean._trace import TraceRow, read_trace
 
 DEFAULT_RTOL = 1e-4
 """``DenominatorMonitor``'s default ``rtol`` (a test keeps them equal)."""
@@ -73,16 +72,9 @@ def compare_traces(run: dict[int, TraceRow], reference: dict[int, TraceRow], rto
         (1, 'grad_norm', 1)
     """
     steps = [step for step in run if step in reference]
-    divergent_step: int | None = None
-    quantity: str | None = None
-    for step in steps:
-        for column in COMPARED_COLUMNS:
-            column_rtol, column_atol = (COUNT_RTOL, 0.0) if column == "global_count" else (rtol, atol)
-            if not _close(run[step][column], reference[step][column], column_rtol, column_atol):
-                divergent_step, quantity = step, column
-                break
-        if divergent_step is not None:
-            break
+    comparison = TraceComparison("the reference", rtol, atol, rows=reference)  # the monitor's own comparison
+    first = next((found for step in steps if (found := comparison.compare(step, run[step])) is not None), None)
+    divergent_step, quantity = (None, None) if first is None else (first.step, first.quantity)
     return Comparison(
         steps=steps,
         divergent_step=divergent_step,

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from abc import abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import lightning.pytorch as pl
 import torch.distributed as dist
@@ -36,6 +36,13 @@ from token_mean._trainer import CHECKPOINT_KEY, catch_up, check_fit, checkpoint_
 from token_mean._window import WindowStats
 
 
+class _Fit(NamedTuple):
+    """What a fit's hooks need: its trainer, and its passes over the training batches (their mode)."""
+
+    trainer: pl.Trainer
+    epochs: Epochs
+
+
 class TokenMeanStrategy(ParallelStrategy):
     """The base of the token-mean Trainer strategies: ``isinstance(trainer.strategy, TokenMeanStrategy)``.
 
@@ -54,7 +61,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._settings, self._mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
         self._check_kwargs(self._mode_name, kwargs)
         super().__init__(**kwargs)
-        self._epochs: Epochs | None = None  # the fit's passes (and its mode), from `setup` on
+        self._fit: _Fit | None = None  # the fit's trainer and passes (with its mode), from `setup` on
         self._micro: MicroBatch | None = None  # the micro-batch in flight, until its window's optimizer step
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
@@ -80,7 +87,7 @@ class TokenMeanStrategy(ParallelStrategy):
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because their window had no valid item on any rank."""
-        return 0 if self._epochs is None else self._epochs.mode.skipped_steps
+        return 0 if self._fit is None else self._fit.epochs.mode.skipped_steps
 
     @property
     def is_filler_batch(self) -> bool:
@@ -122,40 +129,40 @@ class TokenMeanStrategy(ParallelStrategy):
         check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
         layout = self._layout()
         mode = make_mode(self._mode_name, layout, self._settings, self._track_rank_counts)
-        self._epochs = Epochs(mode, self._settings.pad_uneven_ranks, "epoch", catch_up(trainer, layout))
-        _lightning.read_through(trainer, self._epochs)
+        self._fit = _Fit(trainer, Epochs(mode, self._settings.pad_uneven_ranks, "epoch", catch_up(trainer, layout)))
+        _lightning.read_through(trainer, self._fit.epochs)
 
     def _distributed(self) -> bool:
         return self.world_size > 1 and dist.is_available() and dist.is_initialized()
 
-    def _normalizing(self) -> Epochs | None:
-        """The fit's passes, but in an epoch without backward passes (SWA's BatchNorm epoch), which runs as plain
-        DDP."""
-        if self._epochs is None or _lightning.skips_backward(self._trainer()):
+    def _normalizing(self) -> _Fit | None:
+        """The fit, but in an epoch without backward passes (SWA's BatchNorm epoch), which runs as plain DDP."""
+        fit = self._fit
+        if fit is None or _lightning.skips_backward(fit.trainer):
             return None
-        return self._epochs
+        return fit
 
     @override
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
         super().on_train_batch_start(batch, batch_idx)
-        epochs = self._normalizing()
-        if epochs is not None and epochs.current is not None:  # after the module's hook, whose -1 ends the epoch here
-            epochs.current.started(_lightning.epoch_position(self._trainer()) - 1)
+        fit = self._normalizing()
+        if fit is not None and fit.epochs.current is not None:  # after the module's hook, whose -1 ends the epoch here
+            fit.epochs.current.started(_lightning.epoch_position(fit.trainer) - 1)
 
     @override
     def on_train_end(self) -> None:
-        if self._epochs is not None:
-            self._epochs.settle()  # this rank may have left the last epoch early
+        if self._fit is not None:
+            self._fit.epochs.settle()  # this rank may have left the last epoch early
         super().on_train_end()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        epochs = self._normalizing()
-        if epochs is None or epochs.current is None:
+        fit = self._normalizing()
+        if fit is None or fit.epochs.current is None:
             return super().training_step(*args, **kwargs)
-        trainer, epoch = self._trainer(), epochs.current
+        trainer, epoch = fit.trainer, fit.epochs.current
         position = _lightning.batch_position(trainer)
-        micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, trainer.global_step)
+        micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
         _lightning.follow(trainer, epoch)  # a stream's window reaches its stop
         if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
             raise step_disagreement(position, micro.window.where, steps=False)
@@ -171,10 +178,10 @@ class TokenMeanStrategy(ParallelStrategy):
         # the micro-batch's own share of 1/N, taken from training_step's loss: Lightning's copy divided by K is unused
         loss = super().backward(micro.backprop, optimizer, *args, **kwargs)
         micro.backward_done()
-        if micro.last:  # the window's one host read: every rank raises before the update, even if an
-            # `optimizer_step` override skips the step
+        if micro.last and self._fit is not None:  # the window's one host read: every rank raises before the
+            # update, even if an `optimizer_step` override skips the step
             self._last_window = micro.window_result()
-            _lightning.follow(self._trainer(), micro.window.epoch)  # a stream goes on, or ends
+            _lightning.follow(self._fit.trainer, micro.window.epoch)  # a stream goes on, or ends
         return loss
 
     @override
@@ -204,16 +211,16 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._epochs is not None:
-            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._epochs, self._trainer(), self._distributed())
+        if self._fit is not None:
+            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._fit.epochs, self._fit.trainer, self._distributed())
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
-        if self._epochs is None:
+        if self._fit is None:
             return None
-        own = restore(checkpoint.get(CHECKPOINT_KEY), self._epochs, self.world_size, self.global_rank,
+        own = restore(checkpoint.get(CHECKPOINT_KEY), self._fit.epochs, self.world_size, self.global_rank,
                       has_loader_states)
         return None if own is None else own.loaders
 
