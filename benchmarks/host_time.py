@@ -43,8 +43,8 @@ cProfile inflates host time (about 2× here, more for many small calls: compare 
 timed and the profiled fits), so the profile's microseconds say *where* the time goes; the ratios come from the
 un-profiled timed fits. Plain DDP's profile holds no package frame (the timing callback calls no package code).
 
-    .venv/bin/python benchmarks/host_time.py            # ~3 min on 2 cores -> benchmarks/results/host_time.{json,md}
-    .venv/bin/python benchmarks/host_time.py --quick    # < 30 s: 40 steps, 1 repetition (temp folder)
+    .venv/bin/python benchmarks/host_time.py            # ~1 min on 2 cores -> benchmarks/results/host_time.{json,md}
+    .venv/bin/python benchmarks/host_time.py --quick    # ~12 s: 40 steps, 1 repetition (temp folder)
     .venv/bin/python benchmarks/host_time.py --repetitions 9 --steps 500
 
 Target (the issue): time per step ≤ 1.15 × plain DDP's at K = 1 and ≤ 1.10 × at K = 4, in both modes.
@@ -311,6 +311,18 @@ class Profile:
     top_functions: list[dict[str, Any]] = field(default_factory=list)
     modules: dict[str, float] = field(default_factory=dict)  # self + direct callees per window, by file
     top_callees: list[dict[str, Any]] = field(default_factory=list)  # non-package callees of package frames
+    # Lightning's and torch's work per window, package frames within included: the delegated calls grow too
+    lightning_us_per_window: dict[str, float] = field(default_factory=dict)
+
+
+def lightning_functions() -> dict[str, Label]:
+    """Work plain DDP and the modes both run, by its own cumulative time (whoever calls it)."""
+    return {
+        "Strategy.training_step": label(Strategy.training_step.__code__),
+        "Strategy.backward": label(Strategy.backward.__code__),
+        "autograd run_backward": ("~", 0, "<method 'run_backward' of 'torch._C._EngineBase' objects>"),
+        "CombinedLoader.__next__": label(CombinedLoader.__next__.__code__),
+    }
 
 
 def profiled_fit(method: str, accumulate: int, data: list[list[Batch]], settings: Settings) -> pstats.Stats:
@@ -411,6 +423,9 @@ def attribute(method: str, accumulate: int, stats: pstats.Stats, classifier: Ent
     functions.sort(key=lambda f: -f["self_us_per_window"])
     profile.top_functions = functions[:15]
     profile.modules = dict(sorted(modules.items(), key=lambda item: -item[1]))
+    profile.lightning_us_per_window = {
+        name: raw[key][3] * per_window if key in raw else 0.0 for name, key in lightning_functions().items()
+    }
     profile.top_callees = [
         {"callee": callee_name(key), "us_per_window": value * per_window,
          "calls_per_window": raw[key][1] / windows}
@@ -532,6 +547,13 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         for name in callee_names]
     callee_headers = ["non-package callee of package frames (µs/window)", *(f"{p.method} K={p.accumulate}"
                                                                             for p in modes)]
+    lightning_rows = [
+        [name, *(f"{by_key[('plain', p.accumulate)].lightning_us_per_window[name]:.0f} →"
+                 f" {p.lightning_us_per_window[name]:.0f}" for p in modes)]
+        for name in lightning_functions()
+    ]
+    lightning_headers = ["Lightning / torch, cumulative µs/window: plain → mode", *(f"{p.method} K={p.accumulate}"
+                                                                                   for p in modes)]
     sections = [
         "### Host time: seconds per optimizer step against plain DDPStrategy (one process, world size 1, gloo)",
         environment_markdown(env) + f" · load average {load_after[0]:.1f} at the end",
@@ -549,6 +571,11 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         markdown_table(profile_headers, profile_rows),
         markdown_table(module_headers, module_rows),
         markdown_table(callee_headers, callee_rows),
+        "What the package makes the delegated work do, outside its own frames (the loss scale's autograd nodes in"
+        " the backward, deferred's Python comm hook dispatched from DDP's reducer, whose time the comm hook column"
+        " counts as the package's): the same Lightning and torch functions in the profiled plain and mode fits. The"
+        " profiled mode − plain minus the package's own time is this and the noise of single fits.",
+        markdown_table(lightning_headers, lightning_rows),
     ]
     for method in METHODS[1:]:
         mine = [p for p in profiles if p.method == method]
