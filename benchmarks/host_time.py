@@ -117,6 +117,16 @@ FULL = Settings(steps=300, warmup_steps=20, repetitions=5)
 QUICK = Settings(steps=40, warmup_steps=10, repetitions=1)
 
 
+def cpu_seconds_busy() -> float | None:
+    """Busy CPU seconds of the whole machine since boot (``/proc/stat``; None elsewhere)."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]
+    except OSError:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(value) for value in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
 def make_strategy(method: str) -> Strategy:
     """Plain DDP or a mode, gloo, Lightning's default launcher (``strategy_for`` forks: a second process)."""
     if method == "plain":
@@ -510,7 +520,7 @@ def callee_name(key: Label) -> str:
 
 
 def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], profiles: list[Profile],
-           split: dict[str, dict[str, float]], load_after: list[float]) -> str:
+           split: dict[str, dict[str, float]], load_after: list[float], other_cores: float | None) -> str:
     plain = {r["accumulate"]: r for r in rows if r["method"] == "plain"}
     timing_headers = ["K", "method", "ms/step (median)", "ratio (median)", "min–max", "CPU ratio",
                       "median-step ratio (min–max)", "best/best"]
@@ -565,7 +575,8 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
                                                                                    for p in modes)]
     sections = [
         "### Host time: seconds per optimizer step against plain DDPStrategy (one process, world size 1, gloo)",
-        environment_markdown(env) + f" · load average {load_after[0]:.1f} at the end",
+        environment_markdown(env) + f" · load average {load_after[0]:.1f} at the end"
+        + ("" if other_cores is None else f" · other processes used {other_cores:.2f} cores on average meanwhile"),
         f"{settings.repetitions} interleaved repetitions (plain, lookahead, deferred per K); each fit"
         f" {settings.steps} optimizer steps, timed after {settings.warmup_steps} warm-up steps, after one untimed"
         " round of every fit. Ratio = mean time per step of the mode / plain DDP's in the same repetition; CPU ratio"
@@ -633,7 +644,7 @@ def main() -> None:
         "package": PACKAGE,
         "quick": args.quick,
     })
-    started = time.perf_counter()
+    started, busy_before, own_before = time.perf_counter(), cpu_seconds_busy(), time.process_time()
     datasets = {accumulate: make_data(settings.steps, accumulate) for accumulate in ACCUMULATIONS}
     for accumulate in ACCUMULATIONS:  # one untimed round first: the first fits of a process run slower
         for method in METHODS:
@@ -647,15 +658,20 @@ def main() -> None:
               flush=True)
     profiles = profile_all(settings, datasets)
     load_after = [round(value, 2) for value in os.getloadavg()]
+    busy_after = cpu_seconds_busy()
+    # other processes' CPU while this ran, in cores (0: the machine was this run's alone; 1: one core busy with others)
+    other_cores = None if busy_before is None or busy_after is None else round(
+        max(busy_after - busy_before - (time.process_time() - own_before), 0.0) / (time.perf_counter() - started), 2)
     rows = summarize(runs)
     split = linear_split(profiles)
     ratios = {f"ratio_{r['method']}_K{r['accumulate']}": r["ratio_median"] for r in rows if r["method"] != "plain"}
     payload = {
         **ratios, "target": {"K1": 1.15, "K4": 1.10}, "environment": env, "load_average_after": load_after,
+        "other_processes_cores": other_cores,
         "rows": rows, "profile": [asdict(p) for p in profiles], "profile_linear_split": split,
         "runs": [asdict(r) for r in runs],
     }
-    markdown = report(settings, env, rows, profiles, split, load_after)
+    markdown = report(settings, env, rows, profiles, split, load_after, other_cores)
     write_results(json_path, markdown_path, payload, markdown)
     print(markdown)
     print(f"wrote {json_path} and {markdown_path} in {time.perf_counter() - started:.0f} s")
