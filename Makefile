@@ -38,6 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/slow_loader.py
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
+	$(PY) benchmarks/host_time.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/audit.py
 

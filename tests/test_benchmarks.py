@@ -88,6 +88,34 @@ def test_overhead_quick(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_host_time_quick(tmp_path: Path) -> None:
+    payload = run_script("host_time", tmp_path)
+    methods = ("plain", "lookahead", "deferred")
+    expected = {(k, method) for k in (1, 4) for method in methods}
+    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected
+    for mode in methods[1:]:
+        for k in (1, 4):
+            value = payload[f"ratio_{mode}_K{k}"]
+            assert isinstance(value, float) and value > 0, (mode, k, value)
+    assert all(r["ms_per_step"] > 0 for r in payload["rows"])
+    assert payload["environment"]["configuration"]["quick"] is True
+    profiles = {(p["accumulate"], p["method"]): p for p in payload["profile"]}
+    assert set(profiles) == expected
+    for (_, method), profile in profiles.items():
+        assert profile["windows"] == 30  # --quick: 40 steps, the first 10 not profiled
+        if method == "plain":  # plain DDP runs no package frame: the attribution sees nothing there
+            assert profile["own_us_per_window"] == 0 and not profile["top_functions"], profile
+            continue
+        # the package's own time holds its frames' self time and fits in the profiled step
+        own, python = profile["own_us_per_window"], profile["python_us_per_window"]
+        assert 0 < python <= own < profile["profiled_seconds_per_step"] * 1e6, profile
+        assert profile["delegated_us_per_window"] > own / 10  # the forward, backward and step were subtracted
+        assert profile["unclassified_us_per_window"] <= 0.1 * own  # the classifier saw the profile's entries
+        assert profile["top_functions"] and profile["top_functions"][0]["self_us_per_window"] > 0
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_model_parallel_quick(tmp_path: Path) -> None:
     payload = run_script("model_parallel", tmp_path)
     for key in ("ratio_lookahead", "ratio_deferred"):
