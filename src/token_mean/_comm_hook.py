@@ -22,18 +22,14 @@ def scaled_allreduce_hook(
     outside a window, and once the mode is gone (an accumulator dropped while its model trains on), the hook is
     DDP's mean.
     """
-    mode = state()
-    factor = 1.0 / dist.get_world_size() if mode is None else mode.gradient_factor()
+    mode, group = state(), state.group
+    factor = 1.0 / group.size() if mode is None else mode.gradient_factor()
     buffer = bucket.buffer()
-    if buffer.is_cuda and dist.get_backend() == "nccl" and isinstance(factor, torch.Tensor):
-        work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), async_op=True)
+    if buffer.is_cuda and dist.get_backend(group) == "nccl" and isinstance(factor, torch.Tensor):
+        work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), group=group, async_op=True)
+        assert work is not None
     else:
         buffer.mul_(factor)
-        if dist.get_world_size() == 1:  # the sum over one rank is the buffer itself: no collective to wait for
-            done: torch.futures.Future[torch.Tensor] = torch.futures.Future()
-            done.set_result(buffer)
-            return done
-        work = dist.all_reduce(buffer, async_op=True)
-    assert work is not None
+        work = _torch.sum_all_reduce(group, buffer)
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda done: done.value()[0])
     return future

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -62,7 +63,7 @@ class InReduction(GradientPath):
         if isinstance(state, _HookState):
             state.follow(mode)
             return
-        state = _HookState(mode)
+        state = _HookState(mode, self._model.process_group)
         try:
             self._model.register_comm_hook(state, scaled_allreduce_hook)
         except RuntimeError as error:
@@ -85,8 +86,9 @@ class _HookState:
     that ``gc`` never frees, keeping DDP and the process group (its gloo threads) alive into interpreter
     finalization, where a thread that still has to take the GIL aborts the process (``_exit``)."""
 
-    def __init__(self, mode: Deferred) -> None:
+    def __init__(self, mode: Deferred, group: Any) -> None:
         self._mode = weakref.ref(mode)
+        self.group = group  # DDP's own process group, which DDP holds as long (no cycle)
 
     def follow(self, mode: Deferred) -> None:
         self._mode = weakref.ref(mode)

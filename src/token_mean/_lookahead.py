@@ -104,12 +104,17 @@ class _LookaheadWindow(Window):
         self.next_counts: _Counts | None = None  # the next window's, announced in this window's record
         self._next_local: list[float] = []
         self._closing: Closing | None = None  # its exchange, from its last forward on
+        self._ahead = epoch.window_stop(counts.stop, tally.accumulate)  # where the next window ends
+
+    def _replan(self, position: int, accumulate: int) -> None:
+        super()._replan(position, accumulate)  # Lightning steps where the window was planned to end, or refused
+        self._ahead = self.epoch.window_stop(self.stop, accumulate)
 
     def _micro_batch(self, position: int, last: bool) -> MicroBatch:
         filler = self.epoch.entry(position).filler
         count = 0.0 if filler else self.counts.local[position - self.start]
         # rolling read-ahead: one batch of the next window now, the rest of it at this window's last micro-batch
-        self.epoch.read_ahead(self.epoch.window_stop(self.stop, self.accumulate), all_of_it=last)
+        self.epoch.read_ahead(self._ahead, all_of_it=last)
         return MicroBatch(self, position, last, filler, count)
 
     def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
@@ -129,7 +134,7 @@ class _LookaheadWindow(Window):
                 tally.flag(Problem.NO_LOSS)
             tally.add(micro.count, output.loss, filler=False, aux=output.aux_loss)
         if micro.last:
-            entries = self.epoch.entries(self.stop, self.epoch.window_stop(self.stop, self.accumulate))
+            entries = self.epoch.entries(self.stop, self._ahead)
             self._next_local, host = self.mode.announce(entries, tally)
             self._closing = self._close(host, peek=False)
         return self._scaled(micro, output)

@@ -41,13 +41,18 @@ class _Memory(NamedTuple):
     fingerprint: tuple[tuple[int, int], ...] = ()  # (id, version) of each tensor, in the batch's order
 
     def shares(self, other: _Memory) -> bool:
-        return any(start < other_stop and other_start < stop
-                   for start, stop, _, _ in self.spans for other_start, other_stop, _, _ in other.spans)
+        for start, stop, _, _ in self.spans:
+            for other_start, other_stop, _, _ in other.spans:
+                if start < other_stop and other_start < stop:
+                    return True
+        return False
 
     def overwrites(self, other: _Memory) -> bool:
-        unchanged = set(other.fingerprint)
-        return any((tensor, version) not in unchanged and start < other_stop and other_start < stop
-                   for start, stop, tensor, version in self.spans for other_start, other_stop, _, _ in other.spans)
+        for start, stop, tensor, version in self.spans:
+            for other_start, other_stop, _, _ in other.spans:
+                if start < other_stop and other_start < stop and (tensor, version) not in other.fingerprint:
+                    return True
+        return False
 
 
 _NO_MEMORY = _Memory()
@@ -297,8 +302,9 @@ class Reader:
         self.refills = self.refills or storages.shares(self._previous_storages)  # a prior: not known to be fresh
         self._previous_storages = storages
         self._real_reads += 1
-        in_use = any(storages.overwrites(held.storages) for held in self._held)
-        aliased = in_use or (in_flight and storages.overwrites(self._current_storages))
+        aliased = in_flight and storages.overwrites(self._current_storages)
+        for held in self._held:
+            aliased = aliased or storages.overwrites(held.storages)
         return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
 
 

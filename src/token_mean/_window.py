@@ -258,7 +258,7 @@ class Tally:
             terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
         device += [(Slot.COUNT, local), (Slot.LOSS_SUM, terms.sum())]
         if self._judge_counts:
-            device.append((Slot.BAD_COUNTS, (valid != counts).sum()))  # NaN != NaN
+            device.append((Slot.BAD_COUNTS, (valid != counts).sum(dtype=torch.float64)))  # NaN != NaN
         return local
 
     def _stacked_counts(self) -> Tensor:
@@ -354,6 +354,9 @@ class Tally:
         return [*((problem, shared[index[problem]]) for problem in problems), (Problem.REPLICA_COUNTS_DIFFER, differ)]
 
 
+_COUNT = int(Slot.COUNT)  # a plain int indexes a tensor faster than the enum member
+
+
 def _valid(counts: Tensor) -> Tensor:
     """A bad count (negative, NaN, infinite) counts nothing."""
     return torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)
@@ -375,7 +378,7 @@ class Closing:
 
     def global_count(self) -> Tensor:
         """N on the device, waiting for the exchange on the device only (no host read)."""
-        return self._exchange.wait()[Slot.COUNT]
+        return self._exchange.wait()[_COUNT]
 
     def result(self) -> Result:
         """The reduced record and this rank's count (the window's one host read); raises every rank's problems.
