@@ -52,7 +52,7 @@ from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities import CombinedLoader
 from torch import Tensor
-from torch.utils.data import DataLoader, IterableDataset
+from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 from token_mean import (
     DenominatorMonitor,
@@ -1144,6 +1144,119 @@ def test_len_understates_the_loader(tmp_path: Path, mode: str) -> None:
     assert len(set(errors)) == 1, errors
     assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
     assert "optimizer step 3 (epoch 0, batches 9..9)" in errors[0], errors[0]
+
+
+class RefilledEstimated(Dataset[Batch]):
+    """A map-style dataset that returns one buffer, refilled in place for every index (a pinned staging buffer)."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+        self.buffer = {key: torch.empty_like(value) for key, value in batches[0].items()}
+
+    def __getitem__(self, index: int) -> Batch:
+        for key, value in self.batches[index].items():
+            self.buffer[key].copy_(value)
+        return self.buffer
+
+    def __len__(self) -> int:
+        return len(self.batches)
+
+
+class RefilledEstimatedModule(TokenModule):
+    """Each rank's batches from one refilled buffer, through the sampler whose `len()` is two short."""
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        dataset = RefilledEstimated(self.data[self.global_rank])
+        return DataLoader(dataset, batch_size=None, sampler=EstimatedLength(len(dataset)))
+
+
+def refilled_estimated_data(seed: int) -> list[list[Batch]]:
+    """12 same-shape batches per rank (one buffer holds each of them in turn)."""
+    generator = torch.Generator().manual_seed(seed)
+    return [[nonempty(make_batch(generator, 2, 4, 0.3 + 0.05 * (index % 7))) for index in range(HOLDS)]
+            for _ in range(2)]
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["deferred", "plain"])
+def test_len_understates_a_loader_that_refills_one_buffer(tmp_path: Path, mode: str) -> None:
+    """Reading past the epoch's end before the last backward would overwrite the batch in flight, so the ranks say
+    they are unsure in the last window's record and check after the backward, in one more collective: every rank
+    still raises before that window's update (lookahead refuses such a loader at once: test_buffer_refilled_in_place).
+    Control: plain DDP silently trains the 10 batches of `len()`."""
+    data = refilled_estimated_data(seed=223)
+    module, strategy = RefilledEstimatedModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT)
+    if mode == "plain":
+        params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=3)
+        assert summary_of(tmp_path)["global_step"] == 4
+        assert_misses(params, reference_steps(lightning_steps(data, 3))[0])
+        return
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(module, strategy, tmp_path,
+                                                                  accumulate_grad_batches=3))
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
+    assert "optimizer step 3 (epoch 0, batches 9..9)" in errors[0], errors[0]
+
+
+@pytest.mark.distributed
+def test_a_refilled_buffer_whose_len_is_exact_is_trained_exactly(tmp_path: Path) -> None:
+    """The check after the backward is no false alarm: the same refilled buffer through an exact sampler trains all
+    12 batches in deferred mode, exactly."""
+    data = refilled_estimated_data(seed=224)
+
+    class Exact(RefilledEstimatedModule):
+        def train_dataloader(self) -> DataLoader[Batch]:
+            return DataLoader(RefilledEstimated(self.data[self.global_rank]), batch_size=None)
+
+    params, _ = fit(Exact(data), strategy_for("deferred", timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=3)
+    assert_exact(params, reference_steps(lightning_steps(data, 3))[0])
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("mode", MODES)
+def test_len_understates_a_loader_restarted_by_a_mid_epoch_resume(tmp_path: Path, mode: str) -> None:
+    """Resumed at batch 4 from a loader without a state, Lightning restarts it from its first batch and trains 6 of
+    its items (plain Lightning too): the loader then still holds 6 by design, and only a 13th item says its `len()`
+    is short. The resumed epoch's last window reads the loader past its whole length after the backward: every rank
+    raises before that update (this check used to be skipped after such a resume). Control: the same resume of a
+    loader whose `len()` is exact trains to the epoch's end (the 6 items it still holds are no alarm)."""
+
+    class Restarted(ResumableModule):
+        def train_dataloader(self) -> DataLoader[Batch]:
+            dataset = ListDataset(self.data[self.global_rank])
+            sampler = EstimatedLength(len(dataset)) if self.estimated else None
+            return DataLoader(dataset, batch_size=None, sampler=sampler)
+
+        estimated = True
+
+    data = ragged(2, HOLDS, seed=226)
+    fit_checkpointed(Restarted(data, stateful=False), mode, tmp_path / "first", epochs=1, max_steps=2, every=2)
+    checkpoint = checkpoint_at(tmp_path / "first", 2)
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit_checkpointed(
+        Restarted(data, stateful=False), mode, tmp_path / "resumed", ckpt_path=checkpoint, epochs=1))
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
+
+    Restarted.estimated = False  # a `len()` of 12 for the 12 items
+    fit_checkpointed(Restarted(data, stateful=False), mode, tmp_path / "exact", epochs=1, max_steps=2, every=2)
+    fit_checkpointed(Restarted(data, stateful=False), mode, tmp_path / "exact-resumed", epochs=1,
+                     ckpt_path=checkpoint_at(tmp_path / "exact", 2))
+    assert summary_of(tmp_path / "exact-resumed")["global_step"] == HOLDS // 2
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_len_understates_the_loader_under_a_limit_that_does_not_cut_it(tmp_path: Path, mode: str) -> None:
+    """`limit_train_batches=20` over a loader whose `len()` says 10 (it yields 12): Lightning's epoch is
+    min(10, 20) = 10 batches, the limit ends nothing, and the understated length is the same silent loss as
+    without a limit: every rank raises. (A limit below `len()` ends the epoch before the loader by design.)"""
+    data = ragged(2, HOLDS, seed=225)
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
+        EstimatedLengthModule(data), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=3,
+        limit_train_batches=20))
+    assert len(set(errors)) == 1, errors
+    assert "ranks 0, 1: the training loader yielded more batches than its `len()`" in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
