@@ -19,15 +19,14 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from token_mean import DenominatorError, WindowStats
 from token_mean._counts import count_valid_labels
 from token_mean._deferred import AfterReduction, Deferred
 from token_mean._epoch import Epoch, Epochs
 from token_mean._lookahead import Lookahead
 from token_mean._mode import MicroBatch, Settings, StepOutput, WindowMode
-from token_mean._problems import DenominatorError
 from token_mean._reader import Reader
 from token_mean._record import Channel, World
-from token_mean._window import WindowStats
 
 FEATURES, CLASSES, ROWS, LENGTH = 3, 4, 2, 5
 IGNORE_INDEX = -100

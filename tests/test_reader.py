@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 import torch
 
+from token_mean import DenominatorError
 from token_mean._epoch import UNKNOWN_END, Epoch
-from token_mean._problems import DenominatorError, Problem
+from token_mean._problems import Problem
 from token_mean._reader import Entry, Reader
 from token_mean._record import Channel, Slot, World
 

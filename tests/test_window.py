@@ -14,7 +14,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from token_mean._problems import DenominatorError, Problem
+from token_mean import DenominatorError, WindowStats
+from token_mean._problems import Problem
 from token_mean._record import (
     MARKS,
     NAMED_RANKS,
@@ -29,7 +30,7 @@ from token_mean._record import (
     World,
     raise_lines,
 )
-from token_mean._window import Closing, Tally, WindowStats
+from token_mean._window import Closing, Tally
 
 CPU = torch.device("cpu")
 STEP = "optimizer step 1 (epoch 0"

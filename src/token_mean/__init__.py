@@ -11,8 +11,6 @@ items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``cou
 
 from importlib import metadata as _metadata
 
-from token_mean._audit import Audit, AuditError
-from token_mean._compare import Divergence, DivergenceError
 from token_mean._counting import CountFn
 from token_mean._counts import (
     IGNORE_INDEX,
@@ -27,11 +25,11 @@ from token_mean._counts import (
 from token_mean._filler import in_filler_batch
 from token_mean._mode import LossReduction, Mode
 from token_mean._observe import OnDivergence
-from token_mean._problems import DenominatorError
-from token_mean._window import WindowStats
 from token_mean.callback import DenominatorMonitor
+from token_mean.errors import AuditError, DenominatorError, DivergenceError
 from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy
+from token_mean.results import Audit, Divergence, WindowStats
 from token_mean.sampler import ExactDistributedSampler
 from token_mean.strategy import TokenMeanDDPStrategy, TokenMeanStrategy
 

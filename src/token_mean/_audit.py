@@ -41,7 +41,8 @@ from torch import Tensor, nn
 
 from token_mean import _torch
 from token_mean._counting import CountFn, read_count
-from token_mean._problems import DenominatorError
+from token_mean.errors import AuditError
+from token_mean.results import Audit
 
 OnAuditFailure = Literal["raise", "warn", "log"]
 
@@ -55,28 +56,6 @@ MIXED_TOLERANCE = {"bf16-mixed": 5e-2, "16-mixed": 1e-2}
 
 LossFn = Callable[[nn.Module, "MicroBatch"], "tuple[Tensor | None, Tensor | None]"]
 """(module, micro-batch) → (its loss as the run computed it, its ``aux_loss`` or None); None: no gradient."""
-
-
-class AuditError(DenominatorError):
-    """The gradient the optimizer was about to apply is not the gradient of the window's objective (the audit)."""
-
-
-@dataclass(frozen=True)
-class Audit:
-    """One audited window.
-
-    Attributes:
-        step: the optimizer step (as ``trainer.global_step`` before the update).
-        error: ‖g − g*‖ / ‖g*‖, the largest over the ranks; ``None`` when the window had no valid item on any rank
-            (N = 0: no objective, nothing to compare).
-        tolerance: the largest error that passes.
-        passed: ``error <= tolerance`` (True when there was nothing to compare).
-    """
-
-    step: int
-    error: float | None
-    tolerance: float
-    passed: bool
 
 
 @dataclass(frozen=True)

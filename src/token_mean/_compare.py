@@ -5,9 +5,10 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 
 from token_mean._trace import COMPARED_COLUMNS, TraceRow, read_trace
+from token_mean.errors import DivergenceError
+from token_mean.results import Divergence
 
 COUNT_RTOL = 1e-9
 """N is compared almost exactly: a different count is never numerics, it is different data or a different count."""
@@ -36,30 +37,6 @@ _CAUSES = {
         " learning rate, scheduler or gradient clipping"
     ),
 }
-
-
-class DivergenceError(RuntimeError):
-    """Raised by ``DenominatorMonitor(on_divergence="raise")`` (or ``FabricMonitor``) at the first step that diverges
-    from its reference."""
-
-
-@dataclass(frozen=True)
-class Divergence:
-    """The first quantity of one optimizer step that differs from the reference trace.
-
-    Attributes:
-        step: the optimizer step's 0-based index (the ``step`` its metrics are logged under).
-        quantity: the trace column that differs: ``global_count``, ``loss``, ``grad_norm`` or ``param_norm``.
-        value: the value in this run (``None`` where it was undefined).
-        reference: the value in the reference trace.
-        message: says which quantity diverged, both values and the likely cause.
-    """
-
-    step: int
-    quantity: str
-    value: float | None
-    reference: float | None
-    message: str
 
 
 class TraceComparison:

@@ -24,7 +24,8 @@ from token_mean import _torch
 from token_mean._mode import MicroBatch, Settings, StepOutput, Window, WindowCheck, WindowMode
 from token_mean._problems import Problem
 from token_mean._record import Channel, Kind, Slot, Values, raise_lines
-from token_mean._window import Closing, Tally, WindowStats, scale_of
+from token_mean._window import Closing, Tally, scale_of
+from token_mean.results import WindowStats
 
 if TYPE_CHECKING:
     from token_mean._epoch import Epoch

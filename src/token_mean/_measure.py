@@ -21,7 +21,8 @@ from token_mean._counting import CountFn, device_count
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._problems import Problem
 from token_mean._record import Channel, Slot, World
-from token_mean._window import Tally, WindowStats
+from token_mean._window import Tally
+from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
 

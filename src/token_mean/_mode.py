@@ -36,7 +36,8 @@ from token_mean import _filler
 from token_mean._counting import CountFn, device_count, first_labels
 from token_mean._problems import Problem
 from token_mean._record import Channel, Slot, Values
-from token_mean._window import Closing, Tally, WindowStats
+from token_mean._window import Closing, Tally
+from token_mean.results import WindowStats
 
 if TYPE_CHECKING:
     from token_mean._epoch import Epoch

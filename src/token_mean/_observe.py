@@ -18,9 +18,10 @@ import torch
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from token_mean._compare import Divergence, DivergenceError, TraceComparison
+from token_mean._compare import TraceComparison
 from token_mean._trace import TraceWriter, trace_format
-from token_mean._window import WindowStats
+from token_mean.errors import DivergenceError
+from token_mean.results import Divergence, WindowStats
 
 OnDivergence = Literal["warn", "raise", "log"]
 TraceValue = float | int | None

@@ -9,14 +9,6 @@ from __future__ import annotations
 from enum import Enum
 
 
-class DenominatorError(RuntimeError):
-    """A count or loss made the global token mean of an optimizer step undefined or wrong.
-
-    Raised on every rank at once, with the same message (the offending rank, the step and the fix), because the
-    problem travels in the same collective as the counts: no rank is left waiting in a collective.
-    """
-
-
 class Problem(Enum):
     """A problem of one rank's window: ``what`` went wrong and the ``fix`` that applies."""
 

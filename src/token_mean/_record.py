@@ -22,7 +22,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
-from token_mean._problems import DenominatorError, Problem
+from token_mean._problems import Problem
+from token_mean.errors import DenominatorError
 
 NAMED_RANKS = 52
 """Ranks below this are named in messages; float64 holds the sum of 2**rank over them exactly."""

@@ -11,7 +11,6 @@ rank raised a problem. Everything per micro-batch stays on the device, detached,
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +20,7 @@ from torch import Tensor
 from token_mean import _torch
 from token_mean._problems import Problem
 from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values
+from token_mean.results import WindowStats
 
 # the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
 _CHECK_SLOTS = {
@@ -28,68 +28,6 @@ _CHECK_SLOTS = {
     Problem.NUM_ITEMS_MISMATCH_DEFAULT: (Slot.REPORTED, Slot.COUNTED),
     Problem.COUNT_CHANGED: (Slot.READ, Slot.RECEIVED),
 }
-
-
-@dataclass(frozen=True)
-class WindowStats:
-    """The denominator and loss of one optimizer step.
-
-    A token-mean strategy publishes one of these as ``strategy.last_window`` after the last micro-batch of each
-    accumulation window (before ``on_before_optimizer_step``), so callbacks can log exactly what the update used;
-    ``TokenMeanAccumulator.finish()`` returns it. Every field but ``local_count`` is identical on every rank. Counts are
-    floats because an item can be a sample weight; integer counts are exact in float64 up to 2**53.
-
-    Attributes:
-        global_count: N, the valid items of the window summed over all ranks and micro-batches.
-        local_count: n_r, this rank's valid items in the window (differs between ranks).
-        rank_counts: n_r for every rank, indexed by rank; ``None`` unless asked for (they cost P floats per window in
-            the collective: ``strategy.track_rank_counts()``, which ``DenominatorMonitor`` calls).
-        window_length: micro-batches in the window (shorter than K for a partial last window), zero-weight fillers of
-            exhausted ranks included.
-        loss: the exact global mean loss of the window, Σ loss sums / N; ``None`` when N = 0.
-        skipped: True when N = 0 on every rank: no update, no state changed.
-        mode: how the count reached the gradient: ``"lookahead"`` or ``"deferred"``; ``"none"`` for a window that
-            ``DenominatorMonitor`` measured under a strategy that does not normalize it.
-        aux_loss: the mean of the ``"aux_loss"`` terms over the window's real micro-batches on all ranks, when
-            ``training_step`` returns one; else ``None``.
-        audit_error: the objective audit's ‖g − g*‖ / ‖g*‖ of the window (``FabricMonitor(audit_every=...)``);
-            ``None`` when the window was not audited or had nothing to compare (N = 0).
-
-    Example:
-        >>> stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
-        >>> stats.naive_weight_error
-        0.5
-    """
-
-    global_count: float
-    local_count: float
-    rank_counts: tuple[float, ...] | None
-    window_length: int
-    loss: float | None
-    skipped: bool
-    mode: str
-    aux_loss: float | None = None
-    audit_error: float | None = None
-
-    @property
-    def world_size(self) -> int | None:
-        """P, the number of ranks that took part (``None`` without ``rank_counts``)."""
-        return None if self.rank_counts is None else len(self.rank_counts)
-
-    @property
-    def imbalance(self) -> float | None:
-        """max n_r / mean n_r (1.0 is perfectly even; 0.0 when N = 0; ``None`` without ``rank_counts``)."""
-        return self._per_rank(lambda counts, size: max(counts) * size / self.global_count)
-
-    @property
-    def naive_weight_error(self) -> float | None:
-        """max_r |P·n_r/N − 1|: how far a plain mean of rank means would have mis-weighted a rank's items."""
-        return self._per_rank(lambda counts, size: max(abs(size * n / self.global_count - 1.0) for n in counts))
-
-    def _per_rank(self, figure: Callable[[tuple[float, ...], int], float]) -> float | None:
-        if self.rank_counts is None:
-            return None
-        return 0.0 if self.global_count == 0 else figure(self.rank_counts, len(self.rank_counts))
 
 
 class Tally:

@@ -22,15 +22,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import Audit, Auditor, AuditSchedule, MicroBatch, Objective, OnAuditFailure
-from token_mean._compare import Divergence
+from token_mean._audit import Auditor, AuditSchedule, MicroBatch, Objective, OnAuditFailure
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._measure import Measured, Published, Windows
 from token_mean._mode import LossReduction
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
-from token_mean._window import WindowStats
+from token_mean.results import Audit, Divergence, WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
 

@@ -44,8 +44,8 @@ from token_mean._exit import destroy_process_group_at_exit
 from token_mean._mode import LossReduction, MicroBatch, Mode, StepOutput
 from token_mean._progress import Progress
 from token_mean._reader import Reader
-from token_mean._window import WindowStats
 from token_mean.fabric_monitor import FabricMonitor
+from token_mean.results import WindowStats
 
 
 class _InFlight:

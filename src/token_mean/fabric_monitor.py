@@ -13,14 +13,13 @@ from typing import Any
 
 from torch import Tensor
 
-from token_mean._audit import Audit, AuditSchedule, FabricAuditing, OnAuditFailure
-from token_mean._compare import Divergence
+from token_mean._audit import AuditSchedule, FabricAuditing, OnAuditFailure
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._mode import LossReduction
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
-from token_mean._window import WindowStats
+from token_mean.results import Audit, Divergence, WindowStats
 
 
 class FabricMonitor:

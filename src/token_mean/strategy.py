@@ -33,7 +33,7 @@ from token_mean._epoch import Epochs
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._mode import LossReduction, MicroBatch, Mode, StepOutput
 from token_mean._trainer import CHECKPOINT_KEY, catch_up, check_fit, checkpoint_state, once, restore, step_disagreement
-from token_mean._window import WindowStats
+from token_mean.results import WindowStats
 
 
 class _Fit(NamedTuple):
