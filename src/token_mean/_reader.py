@@ -130,12 +130,9 @@ class Reader:
         self._position = 0  # of the next item handed out
         self._held: deque[_Held] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
-        self._current_storages = _NO_MEMORY
-        self._previous_storages = _NO_MEMORY  # of the last real batch read
-        self._real_reads = 0
+        self._memory = _Memories()
         self._limit: int | None = None
         self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
-        self.refills = False  # a real batch shared memory with the one read before it
         self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
 
     def restart(self, resumed_exhausted: bool = False, limit: int | None = None) -> None:
@@ -151,7 +148,7 @@ class Reader:
         self._held.clear()
         self._entries.clear()
         self.current = None
-        self._current_storages = _NO_MEMORY
+        self._memory.current = _NO_MEMORY
 
     def adopt(self, items: list[Any]) -> None:
         """Raw items the loop had read before the reader was installed: they come first."""
@@ -176,9 +173,12 @@ class Reader:
 
     @property
     def fresh(self) -> bool:
-        """Whether the loader is known to yield fresh memory: two real batches read, none sharing the previous one's
-        (a loader that refills one buffer, or shares a tensor between batches, never is)."""
-        return self._real_reads >= 2 and not self.refills
+        """Whether the loader is known to yield fresh memory (see :class:`_Memories`)."""
+        return self._memory.fresh
+
+    @property
+    def refills(self) -> bool:
+        return self._memory.refills
 
     @property
     def stateful(self) -> bool:
@@ -188,11 +188,6 @@ class Reader:
     def position(self) -> int:
         """The position of the next item handed out."""
         return self._position
-
-    @property
-    def drawn(self) -> int:
-        """Items drawn from the loader this pass (``None`` batches included, repeats not)."""
-        return self._source.drawn
 
     @property
     def undrawn_start(self) -> int:
@@ -217,7 +212,7 @@ class Reader:
             self._entries.append(entry)
         self._position += 1
         self.current = entry
-        self._current_storages = storages
+        self._memory.current = storages
         return item
 
     def consumed_state(self) -> Any:
@@ -281,9 +276,7 @@ class Reader:
     def unchanged(self, batch: Any) -> bool:
         """Whether ``batch`` holds the very tensors of the batch handed out last, unchanged since they were read (no
         hook between the loader and the forward moved, replaced or wrote them)."""
-        # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
-        current = self._current_storages.fingerprint
-        return bool(current) and _fingerprint(_tensors(batch)) == current
+        return self._memory.unchanged(batch)
 
     def yields_beyond(self, items: int) -> bool:
         """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
@@ -299,13 +292,40 @@ class Reader:
         if filler:
             return item, Entry(position, filler=True), _NO_MEMORY
         storages = _storages(item[0])
-        self.refills = self.refills or storages.shares(self._previous_storages)  # a prior: not known to be fresh
-        self._previous_storages = storages
-        self._real_reads += 1
-        aliased = in_flight and storages.overwrites(self._current_storages)
-        for held in self._held:
-            aliased = aliased or storages.overwrites(held.storages)
+        aliased = self._memory.read(storages, [held.storages for held in self._held], in_flight)
         return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
+
+
+class _Memories:
+    """The memory of the batches a reader read: whether a new one overwrites one held or in flight, and whether the
+    loader is known to yield fresh memory (two real batches read, none sharing the previous one's bytes: a loader
+    that refills one buffer, or shares a tensor between batches, never is)."""
+
+    def __init__(self) -> None:
+        self.current = _NO_MEMORY  # of the batch handed out last
+        self._previous = _NO_MEMORY  # of the last real batch read
+        self._reads = 0
+        self.refills = False  # a real batch shared memory with the one read before it (a prior: never fresh again)
+
+    @property
+    def fresh(self) -> bool:
+        return self._reads >= 2 and not self.refills
+
+    def read(self, memory: _Memory, held: list[_Memory], in_flight: bool) -> bool:
+        """A real batch read with ``memory``: whether it overwrites one ``held`` ahead or, ``in_flight``, the
+        current one (its backward has not run)."""
+        self.refills = self.refills or memory.shares(self._previous)
+        self._previous = memory
+        self._reads += 1
+        aliased = in_flight and memory.overwrites(self.current)
+        for other in held:
+            aliased = aliased or memory.overwrites(other)
+        return aliased
+
+    def unchanged(self, batch: Any) -> bool:
+        # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
+        current = self.current.fingerprint
+        return bool(current) and _fingerprint(_tensors(batch)) == current
 
 
 class _Source:

@@ -30,6 +30,48 @@ _CHECK_SLOTS = {
 }
 
 
+Check = tuple[Tensor | float, Tensor | float, Tensor | None]
+"""Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
+
+
+class _Values:
+    """What a window's micro-batches contributed on this rank, as they came: counts on the device (a tensor) or the
+    host (a float), losses detached, 'aux_loss' terms, and pairs that must agree."""
+
+    def __init__(self, device: torch.device, mean: bool) -> None:
+        self.device = device
+        self.mean = mean  # each loss is a mean over its micro-batch's count (else a sum)
+        self.counts: list[Tensor | float] = []
+        self.losses: list[Tensor | None] = []
+        self.aux: list[Tensor] = []
+        self.checks: dict[Problem, list[Check]] = {}
+        self._zero: Tensor | None = None
+
+    def zero(self) -> Tensor:
+        """A float64 zero on the device (made when first asked for)."""
+        if self._zero is None:
+            self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
+        return self._zero
+
+    def counts_stacked(self) -> Tensor:
+        counts = torch.stack([count if isinstance(count, Tensor) else torch.full((), count, dtype=torch.float64,
+                              device=self.device) for count in self.counts])
+        return counts if counts.dtype == torch.float64 else counts.to(torch.float64)
+
+    def losses_stacked(self) -> Tensor:
+        return torch.stack([self.zero() if loss is None else loss for loss in self.losses]).to(torch.float64)
+
+    def stack(self, values: list[Tensor | float]) -> Tensor:
+        """float64 on the device: host floats in one copy, device values stacked."""
+        if all(isinstance(value, float) for value in values):
+            return _torch.to_device(values, torch.float64, self.device)  # type: ignore[arg-type]
+        tensors = [value if isinstance(value, Tensor) else torch.tensor(value) for value in values]
+        return torch.stack([tensor.to(self.device) for tensor in tensors]).to(torch.float64)
+
+    def sides(self, checks: list[Check]) -> tuple[Tensor, Tensor]:
+        return self.stack([value for value, _, _ in checks]), self.stack([value for _, value, _ in checks])
+
+
 class Tally:
     """What the accumulation window being trained on this rank contributed (see the module docstring).
 
@@ -59,13 +101,7 @@ class Tally:
         self.start = start
         self.accumulate = accumulate
         self.step = step
-        self._mean = loss_reduction == "mean"
-        self._device = channel.world.device
-        self._zero_tensor: Tensor | None = None
-        self._counts: list[Tensor | float] = []
-        self._losses: list[Tensor | None] = []
-        self._aux: list[Tensor] = []
-        self._checks: dict[Problem, list[tuple[Tensor | float, Tensor | float, Tensor | None]]] = {}
+        self._values = _Values(channel.world.device, loss_reduction == "mean")
         self._added: list[tuple[Slot, Tensor]] = []
         self._flags: set[Problem] = set()
         self._detail = ""
@@ -89,7 +125,7 @@ class Tally:
     @property
     def has_aux(self) -> bool:
         """Whether a micro-batch returned an 'aux_loss'."""
-        return bool(self._aux)
+        return bool(self._values.aux)
 
     @property
     def detail(self) -> str:
@@ -97,101 +133,94 @@ class Tally:
         return self._detail
 
     def zero(self) -> Tensor:
-        """A float64 zero on the device (one per tally, made when first asked for)."""
-        return self._zero
+        """A float64 zero on the device (one per tally)."""
+        return self._values.zero()
 
-    @property
-    def _zero(self) -> Tensor:
-        if self._zero_tensor is None:
-            self._zero_tensor = torch.zeros((), dtype=torch.float64, device=self._device)
-        return self._zero_tensor
-
-    # -------------------------------------------------------------------------------------------------------------
-    # feeding
-    # -------------------------------------------------------------------------------------------------------------
+    # ---- feeding ----
 
     def add(self, count: Tensor | float, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
         """One micro-batch: its count (a 0-dim tensor on the device, or a host float judged where it was read), its
         loss as its forward returned it."""
+        values = self._values
         self.length += 1
         self.real += not filler
-        self._counts.append(count)
-        self._losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
+        values.counts.append(count)
+        values.losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
         if aux is not None:
-            self._aux.append(aux.detach())
+            values.aux.append(aux.detach())
 
     def flag(self, problem: Problem, detail: str = "") -> None:
         """A problem found on the host; ``detail`` says what this rank saw (a note of its error)."""
         self._flags.add(problem)
         self._detail = self._detail or detail
 
-    def check_equal(
-        self, problem: Problem, left: Tensor | float, right: Tensor | float, hint: Tensor | None = None
-    ) -> None:
+    def check_equal(self, problem: Problem, left: Tensor | float, right: Tensor | float,
+                    hint: Tensor | None = None) -> None:
         """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
-        self._checks.setdefault(problem, []).append((left, right, hint))
+        self._values.checks.setdefault(problem, []).append((left, right, hint))
 
     def add_to(self, slot: Slot, value: Tensor) -> None:
         """Add a device value to ``slot`` of the record (``NAIVE``)."""
         self._added.append((slot, value))
 
-    # -------------------------------------------------------------------------------------------------------------
-    # ending
-    # -------------------------------------------------------------------------------------------------------------
+    # ---- ending ----
 
     def close(self, announce: Values = Values()) -> Closing:  # noqa: B008 (frozen)
         """After the window's last forward: start its exchange (``announce``: what else the record carries).
 
-        The record carries the window's sums and what tells a problem from them (a non-finite sum, a negative
-        count, a check that differs): a handful of kernels. Which rank had which problem is only worked out when
-        some sum says there is one (:meth:`Closing.result`); under tensor parallelism, where the replicas must share
-        their problems before the record, it is worked out at once.
+        The record carries the window's sums and what tells a problem from them (a non-finite sum, a bad count, a
+        check that differs): a handful of kernels. Which rank had which problem is only worked out when some sum
+        says there is one (:meth:`Closing.result`); under tensor parallelism, where the replicas must share their
+        problems before the record, it is worked out at once.
         """
+        values = self._values
         length = float(self.length)
         host = {**announce.host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
         device = [*self._added, *announce.device]
         flags = self._flags | announce.flags
         device_flags = list(announce.device_flags)
-        if all(type(count) is float for count in self._counts):  # lookahead: counted on the host as read
+        if all(type(count) is float for count in values.counts):  # lookahead: counted on the host as read
             local: Tensor | float = self._host_sums(host, device)
         else:
             local = self._device_sums(device)
-        if self._aux:
-            device.append((Slot.AUX_SUM, torch.stack(self._aux).to(torch.float64).sum()))
-        for checks in self._checks.values():
-            device.append((Slot.DIFFERENT, self._differences(checks)))
+        if values.aux:
+            device.append((Slot.AUX_SUM, torch.stack(values.aux).to(torch.float64).sum()))
+        for checks in values.checks.values():  # how many pairs differ (the diagnosis says by how much)
+            left, right = values.sides(checks)
+            device.append((Slot.DIFFERENT, (left != right).sum(dtype=torch.float64)))
         if self.channel.world.replica_group is not None:
-            device_flags += self.device_flags()
-            device_flags, flags = self._shared_with_replicas(self._valid(), flags, device_flags), set()
-        values = Values(host, device, frozenset(flags), device_flags)
-        return Closing(self, self.channel.start(Kind.WINDOW, values), local)
+            device_flags += self.diagnosis().flags()
+            device_flags, flags = self.diagnosis().shared_with_replicas(self.channel, flags, device_flags), set()
+        return Closing(self, self.channel.start(Kind.WINDOW, Values(host, device, frozenset(flags), device_flags)),
+                       local)
 
     def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot, Tensor]]) -> float:
         """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
         multiplication of the losses that have items."""
-        counts = [float(count) for count in self._counts]
+        values = self._values
+        counts = [float(count) for count in values.counts]
         local = math.fsum(counts)
         host[Slot.COUNT] = local
-        kept = [(loss, count if self._mean else 1.0) for loss, count in zip(self._losses, counts, strict=True)
+        kept = [(loss, count if values.mean else 1.0) for loss, count in zip(values.losses, counts, strict=True)
                 if count > 0 and loss is not None]
         if len(kept) == 1:
             loss, weight = kept[0]
             device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
         elif kept:
             losses = torch.stack([loss for loss, _ in kept]).to(torch.float64)
-            weights = _torch.to_device([weight for _, weight in kept], torch.float64, self._device)
+            weights = _torch.to_device([weight for _, weight in kept], torch.float64, values.device)
             device.append((Slot.LOSS_SUM, losses @ weights))
         return local
 
     def _device_sums(self, device: list[tuple[Slot, Tensor]]) -> Tensor:
         """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an
         empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum."""
-        counts = self._stacked_counts()
+        values = self._values
+        counts = values.counts_stacked()
         valid = _valid(counts)
         local = valid.sum()
-        losses = torch.stack([self._zero if loss is None else loss for loss in self._losses]).to(torch.float64)
-        weights = valid if self._mean else (valid > 0).to(torch.float64)
-        terms = torch.where(valid > 0, losses, 0.0) * weights
+        weights = valid if values.mean else (valid > 0).to(torch.float64)
+        terms = torch.where(valid > 0, values.losses_stacked(), 0.0) * weights
         if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
             terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
         device += [(Slot.COUNT, local), (Slot.LOSS_SUM, terms.sum())]
@@ -199,77 +228,68 @@ class Tally:
             device.append((Slot.BAD_COUNTS, (valid != counts).sum(dtype=torch.float64)))  # NaN != NaN
         return local
 
-    def _stacked_counts(self) -> Tensor:
-        counts = torch.stack([count if isinstance(count, Tensor) else torch.full((), count, dtype=torch.float64,
-                              device=self._device) for count in self._counts])
-        return counts if counts.dtype == torch.float64 else counts.to(torch.float64)
-
-    def _valid(self) -> Tensor:
-        return _valid(self._stacked_counts())
-
-    def _differences(self, checks: list[tuple[Tensor | float, Tensor | float, Tensor | None]]) -> Tensor:
-        """How many of the checks' two sides differ (the diagnosis says by how much)."""
-        left = self._stack([value for value, _, _ in checks])
-        right = self._stack([value for _, value, _ in checks])
-        return (left != right).sum().to(torch.float64)
-
     def healthy(self, reduced: Reduced) -> bool:
-        """Whether the summed record shows no problem of the device values (a non-finite sum, a negative count, a
-        check that differs): then no rank had one."""
+        """Whether the summed record shows no problem of the device values (a non-finite sum, a bad count, a check
+        that differs): then no rank had one."""
         counted = math.isfinite(reduced[Slot.COUNT]) and reduced[Slot.BAD_COUNTS] == 0
         losses = not self._judge_losses or math.isfinite(reduced[Slot.LOSS_SUM])
         return counted and losses and math.isfinite(reduced[Slot.AUX_SUM]) and reduced[Slot.DIFFERENT] == 0
 
-    def device_flags(self) -> list[tuple[Problem, Tensor]]:
-        """Which device problems this rank had, and the slots that explain a failed check (what a diagnosis, or
-        the replicas of a tensor-parallel group, exchange)."""
+    def diagnosis(self) -> Diagnosis:
+        """Which device problems this rank had (what a diagnosis, or the replicas of a tensor-parallel group,
+        exchange)."""
+        return Diagnosis(self._values, self._judge_counts, self._judge_losses)
+
+
+class Diagnosis:
+    """Which problems of its device values one rank's window had, worked out on the device (the record only carried
+    their sums), and the numbers that explain a failed check."""
+
+    def __init__(self, values: _Values, judge_counts: bool, judge_losses: bool) -> None:
+        self._values = values
+        self._judge_counts = judge_counts
+        self._judge_losses = judge_losses
+
+    def flags(self) -> list[tuple[Problem, Tensor]]:
+        values = self._values
         flags: list[tuple[Problem, Tensor]] = []
-        counts = self._stacked_counts()
+        counts = values.counts_stacked()
         valid = _valid(counts)
         if self._judge_counts:
             flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
         if self._judge_losses:
-            losses = torch.stack([self._zero if loss is None else loss for loss in self._losses]).to(torch.float64)
-            values = losses * (valid if self._mean else (valid > 0).to(torch.float64))
-            bad_values = _nonfinite(values) & (valid > 0)
+            losses = values.losses_stacked()
+            weighted = losses * (valid if values.mean else (valid > 0).to(torch.float64))
+            bad_values = _nonfinite(weighted) & (valid > 0)
             bad_loss = _nonfinite(losses)
             # a finite loss times a huge count: the count's fault, not the model's
             flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
                       (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
-        if self._aux:
-            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(self._aux).to(torch.float64)).any()))
-        for problem, checks in self._checks.items():
-            left = self._stack([value for value, _, _ in checks])
-            right = self._stack([value for _, value, _ in checks])
+        if values.aux:
+            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(values.aux).to(torch.float64)).any()))
+        for problem, checks in values.checks.items():
+            left, right = values.sides(checks)
             flags.append((problem, (left != right).any()))
         return flags
 
     def check_slots(self) -> list[tuple[Slot, Tensor]]:
-        """The two sides of each failed check, summed over the micro-batches where they differ (and the first
-        labels there, a hint for 'num_items')."""
+        """The two sides of each failed check, summed over the micro-batches where they differ (and the first labels
+        there, a hint for 'num_items')."""
+        values = self._values
         slots = []
-        for problem, checks in self._checks.items():
-            left = self._stack([value for value, _, _ in checks])
-            right = self._stack([value for _, value, _ in checks])
+        for problem, checks in values.checks.items():
+            left, right = values.sides(checks)
             differ = left != right
             slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
                                                                            strict=True)]
             hints = [hint for _, _, hint in checks]
             if any(hint is not None for hint in hints):
-                first = torch.stack([self._zero if h is None else h.to(self._device, torch.float64) for h in hints])
+                first = torch.stack([values.zero() if h is None else h.to(values.device, torch.float64) for h in hints])
                 slots.append((Slot.FIRST, (first * differ).sum()))
         return slots
 
-    def _stack(self, values: list[Tensor | float]) -> Tensor:
-        """float64 on the device: host floats in one copy, device values stacked."""
-        if all(isinstance(value, float) for value in values):
-            return _torch.to_device(values, torch.float64, self._device)  # type: ignore[arg-type]
-        tensors = [value if isinstance(value, Tensor) else torch.tensor(value) for value in values]
-        return torch.stack([tensor.to(self._device) for tensor in tensors]).to(torch.float64)
-
-    def _shared_with_replicas(
-        self, counts: Tensor, flags: set[Problem], device_flags: list[tuple[Problem, Tensor]]
-    ) -> list[tuple[Problem, Tensor]]:
+    def shared_with_replicas(self, channel: Channel, flags: set[Problem],
+                             device_flags: list[tuple[Problem, Tensor]]) -> list[tuple[Problem, Tensor]]:
         """The ranks holding this rank's batches (a tensor-parallel group) count alike, and share their problems.
 
         One MAX all-reduce of 2 × (micro-batches) + (problems) float64 over the replica group. Exact for any float
@@ -277,15 +297,17 @@ class Tally:
         group becomes a problem of each (the window's record only sums over the data-parallel ranks), so every rank
         of the mesh raises, and none is left in a collective with a peer that raised.
         """
+        device = self._values.device
+        counts = _valid(self._values.counts_stacked())
         problems = list(Problem)
         index = {problem: position for position, problem in enumerate(problems)}
-        raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, self._device)
+        raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, device)
         if device_flags:
-            where = _torch.to_device([index[problem] for problem, _ in device_flags], torch.int64, self._device)
+            where = _torch.to_device([index[problem] for problem, _ in device_flags], torch.int64, device)
             found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
             raised = raised.index_add(0, where, found)
         both = torch.cat([counts, -counts, raised])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.channel.world.replica_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=channel.world.replica_group)
         size = counts.numel()
         shared = both[2 * size :].clamp(max=1.0)
         differ = (both[:size] != -both[size : 2 * size]).any()
@@ -331,10 +353,9 @@ class Closing:
         else:
             reduced = self._exchange.read()
         if reduced.in_step() and not window.healthy(reduced):
-            flags = window.device_flags()
-            length = float(window.length)
-            values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, window.check_slots(),
-                            frozenset(window.flags), flags)
+            diagnosis, length = window.diagnosis(), float(window.length)
+            values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, diagnosis.check_slots(),
+                            frozenset(window.flags), diagnosis.flags())
             window.channel.reduce(Kind.DIAGNOSIS, values).check(window.where, window.detail)
         reduced.check(window.where, window.detail)
         return Result(reduced, float(local), window.length)
@@ -371,4 +392,4 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = ["Closing", "Result", "Tally", "WindowStats", "scale_of"]
+__all__ = ["Closing", "Diagnosis", "Result", "Tally", "WindowStats", "scale_of"]

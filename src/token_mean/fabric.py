@@ -169,37 +169,29 @@ class TokenMeanAccumulator:
         monitor: FabricMonitor | None = None,
     ) -> None:
         settings, mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
-        if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
-            raise ValueError(f"`accumulate` must be a positive int (micro-batches per window), got {accumulate!r}.")
-        modules = _lightning.fabric_modules(model)
-        if modules is None or _lightning.fabric_strategy_of(model) is not fabric.strategy:
-            raise ValueError(
-                f"`model` must be what `fabric.setup(model)` (or `fabric.setup_module`) returned for this Fabric, got"
-                f" {type(model).__name__}: the accumulator hooks into the module the strategy wrapped."
-            )
-        self._fabric, self._model, self._accumulate, self._monitor = fabric, model, accumulate, monitor
-        self._layout = _layout(fabric, *modules)
+        self._layout = _layout(fabric, *_checked_model(fabric, model, accumulate))
+        self._fabric, self._model = fabric, model
         self._epochs = Epochs(make_mode(mode_name, self._layout, settings, rank_counts=monitor is not None),
                               pad_uneven_ranks, "pass")
         if self._layout.world.distributed:
             destroy_process_group_at_exit()
         if monitor is not None:  # the audit counts as the accumulator does
             monitor.auditing.attach(model, settings.count_fn, loss_reduction, aux=mode_name == "lookahead")
-        self._flight: _InFlight | None = None  # the micro-batch the loop is training, from its yield to the next
-        self._iterating = False
-        self._progress = Progress(self._layout.world.size)
+        self._monitor: FabricMonitor | _Unmonitored = monitor or _Unmonitored()
+        self._passes = _Passes(fabric, model, accumulate, self._epochs, self._monitor)
         self._last_window: WindowStats | None = None
 
     @property
     def accumulating(self) -> bool:
         """True while the batch in flight is not its window's last (its gradient must not be reduced yet)."""
-        return not _InFlight.of(self._flight, "`accumulating`").micro.last
+        return not _InFlight.of(self._passes.flight, "`accumulating`").micro.last
 
     @property
     def is_filler_batch(self) -> bool:
         """True from the yield of a zero-weight repeat of an exhausted rank to its :meth:`backward` (the Trainer
         strategies' ``is_filler_batch``, ``token_mean.in_filler_batch()``); False for any other batch."""
-        return self._flight is not None and self._flight.micro.is_filler
+        flight = self._passes.flight
+        return flight is not None and flight.micro.is_filler
 
     is_filler = is_filler_batch  # the name of the first release
 
@@ -217,6 +209,74 @@ class TokenMeanAccumulator:
         """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
         rank yields as many batches. A sized iterable costs one collective at the pass's start (the ranks agree on its
         length); a stream's end is agreed window by window."""
+        return self._passes.start(iterable)
+
+    def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
+                 **kwargs: Any) -> None:
+        """Back-propagate the micro-batch's ``loss`` (its mean over its valid items, or their sum), scaled for the
+        window's exact token mean, through ``fabric.backward`` (``args`` and ``kwargs`` go there too).
+
+        ``aux_loss``: an auxiliary term averaged over the window's real micro-batches on all ranks (lookahead only);
+        ``num_items``: this micro-batch's count as the model computed it (checked against ``count_fn``; deferred
+        mode normalizes by it).
+        """
+        flight = _InFlight.of(self._passes.flight, "`accumulator.backward(loss)`")
+        flight.backward()
+        flight.check_sync(self._layout.sync_flags())
+        scaled = flight.micro.loss_to_backprop(StepOutput(loss, aux_loss, num_items, loss), flight.batch)
+        self._fabric.backward(scaled, *args, model=self._model, **kwargs)
+        flight.micro.backward_done()
+
+    def finish(self) -> WindowStats:
+        """After the window's last backward: its stats (the window's one host read). The gradient is then the
+        window's exact token mean; every rank raises the same :class:`~token_mean.DenominatorError` here if any rank
+        had a problem. A window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
+        flight = _InFlight.of(self._passes.flight, "`accumulator.finish()`")
+        flight.finish()
+        stats = flight.micro.window_result()
+        flight.finished = True
+        self._passes.progress.windows += 1
+        self._last_window = stats = self._monitor.finished(self._model, stats)
+        return stats
+
+    def state_dict(self) -> dict[str, Any]:
+        """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
+
+        Raises:
+            RuntimeError: in the middle of a window (Fabric saves no partial gradient): save after ``finish()``.
+        """
+        flight = self._passes.flight
+        if flight is not None:
+            flight.saved()
+        in_flight = None if flight is None else flight.micro.position + 1
+        return {"mode": self._epochs.mode.state_dict(), **self._passes.progress.state_dict(in_flight)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Resume: the next ``batches(...)`` skips the batches the saved pass had trained (the loader must yield
+        them in the same order; a loader from ``fabric.setup_dataloaders`` gets its saved pass counter back, the
+        epoch its sampler orders by).
+
+        Raises:
+            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
+        """
+        self._passes.progress.load_state_dict(state)
+        self._epochs.mode.load_state_dict(state["mode"])
+        self._monitor.resume_at(self._passes.progress.windows)
+
+
+class _Passes:
+    """The accumulator's passes over the loop's batches: one at a time, each resumed where a checkpoint stopped, and
+    the micro-batch the loop is training (from its yield to the next); how each pass ended is its ``progress``."""
+
+    def __init__(self, fabric: Any, model: Any, accumulate: int, epochs: Epochs,
+                 monitor: FabricMonitor | _Unmonitored) -> None:
+        self._fabric, self._model, self._accumulate = fabric, model, accumulate
+        self._epochs, self._monitor = epochs, monitor
+        self.progress = Progress(epochs.mode.world_size)
+        self.flight: _InFlight | None = None
+        self._iterating = False
+
+    def start(self, iterable: Iterable[Any]) -> Iterator[Any]:
         if self._iterating:
             raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
         return self._pass(iterable)
@@ -235,94 +295,68 @@ class TokenMeanAccumulator:
                     completed = True
                     break
                 micro = epoch.micro_batch(position, self._accumulate, self._windows_finished)
-                flight = self._flight = _InFlight(micro, move(item[0]))
-                if self._monitor is not None:
-                    self._monitor.auditing.micro_batch(self._model, flight.batch, micro.filler)
+                flight = self.flight = _InFlight(micro, move(item[0]))
+                self._monitor.micro_batch(self._model, flight.batch, micro.filler)
                 yield flight.batch
         finally:
             self._iterating = False
-            last, self._flight = self._flight, None
-            self._progress.left(*_where_left(last, completed, self._accumulate, self._model))
-            if self._monitor is not None:
-                self._monitor.stepped(self._model)
+            last, self.flight = self.flight, None
+            self.progress.left(*_where_left(last, completed, self._accumulate, self._model))
+            self._monitor.stepped(self._model)
 
     def _begin(self, iterable: Iterable[Any]) -> tuple[Epoch, Callable[[Any], Any], int]:
         """A pass starts: its epoch, what moves a batch to the device, and its first position (where a checkpoint
         stopped)."""
-        start, loader_epoch = self._progress.start_pass()
-        mode_name = self._epochs.mode.name
-        reader, move, loader_pass = _reader(iterable, start, loader_epoch, self._epochs, mode_name == "lookahead")
-        self._progress.reading(loader_pass)
-        _refuse_partial_gradient(self._progress.take_abandoned(), self._model)
-        epoch = self._epochs.begin(reader, self._progress.passes)
-        if self._monitor is not None:
-            self._monitor.start(self._fabric)
+        start, loader_epoch = self.progress.start_pass()
+        lookahead = self._epochs.mode.name == "lookahead"
+        reader, move, loader_pass = _reader(iterable, start, loader_epoch, self._epochs, lookahead)
+        self.progress.reading(loader_pass)
+        _refuse_partial_gradient(self.progress.take_abandoned(), self._model)
+        epoch = self._epochs.begin(reader, self.progress.passes)
+        self._monitor.start(self._fabric)
         return epoch, move, start
 
     def _windows_finished(self) -> int:
-        return self._progress.windows
+        return self.progress.windows
 
     def _check_previous_batch(self) -> None:
-        flight = self._flight
+        flight = self.flight
         if flight is not None:
             flight.done()
-            if flight.micro.last and self._monitor is not None:
+            if flight.micro.last:
                 self._monitor.stepped(self._model)
 
-    def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
-                 **kwargs: Any) -> None:
-        """Back-propagate the micro-batch's ``loss`` (its mean over its valid items, or their sum), scaled for the
-        window's exact token mean, through ``fabric.backward`` (``args`` and ``kwargs`` go there too).
 
-        ``aux_loss``: an auxiliary term averaged over the window's real micro-batches on all ranks (lookahead only);
-        ``num_items``: this micro-batch's count as the model computed it (checked against ``count_fn``; deferred
-        mode normalizes by it).
-        """
-        flight = _InFlight.of(self._flight, "`accumulator.backward(loss)`")
-        flight.backward()
-        flight.check_sync(self._layout.sync_flags())
-        scaled = flight.micro.loss_to_backprop(StepOutput(loss, aux_loss, num_items, loss), flight.batch)
-        self._fabric.backward(scaled, *args, model=self._model, **kwargs)
-        flight.micro.backward_done()
+class _Unmonitored:
+    """What the accumulator tells its monitor, when it has none."""
 
-    def finish(self) -> WindowStats:
-        """After the window's last backward: its stats (the window's one host read). The gradient is then the
-        window's exact token mean; every rank raises the same :class:`~token_mean.DenominatorError` here if any rank
-        had a problem. A window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
-        flight = _InFlight.of(self._flight, "`accumulator.finish()`")
-        flight.finish()
-        stats = flight.micro.window_result()
-        flight.finished = True
-        self._progress.windows += 1
-        if self._monitor is not None:
-            stats = self._monitor.finished(self._model, stats)
-        self._last_window = stats
+    def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None:
+        pass
+
+    def start(self, fabric: Any) -> None:
+        pass
+
+    def stepped(self, model: Any) -> None:
+        pass
+
+    def finished(self, model: Any, stats: WindowStats) -> WindowStats:
         return stats
 
-    def state_dict(self) -> dict[str, Any]:
-        """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
+    def resume_at(self, step: int) -> None:
+        pass
 
-        Raises:
-            RuntimeError: in the middle of a window (Fabric saves no partial gradient): save after ``finish()``.
-        """
-        flight = self._flight
-        if flight is not None:
-            flight.saved()
-        in_flight = None if flight is None else flight.micro.position + 1
-        return {"mode": self._epochs.mode.state_dict(), **self._progress.state_dict(in_flight)}
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next ``batches(...)`` skips the batches the saved pass had trained (the loader must yield
-        them in the same order; a loader from ``fabric.setup_dataloaders`` gets its saved pass counter back, the
-        epoch its sampler orders by).
-
-        Raises:
-            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
-        """
-        self._progress.load_state_dict(state)
-        self._epochs.mode.load_state_dict(state["mode"])
-        if self._monitor is not None:
-            self._monitor.resume_at(self._progress.windows)
+def _checked_model(fabric: Any, model: Any, accumulate: object) -> tuple[Any, Any]:
+    """``(forward module, original module)`` of the model ``fabric.setup`` returned, or a ``ValueError``."""
+    if isinstance(accumulate, bool) or not isinstance(accumulate, int) or accumulate < 1:
+        raise ValueError(f"`accumulate` must be a positive int (micro-batches per window), got {accumulate!r}.")
+    modules = _lightning.fabric_modules(model)
+    if modules is None or _lightning.fabric_strategy_of(model) is not fabric.strategy:
+        raise ValueError(
+            f"`model` must be what `fabric.setup(model)` (or `fabric.setup_module`) returned for this Fabric, got"
+            f" {type(model).__name__}: the accumulator hooks into the module the strategy wrapped."
+        )
+    return modules
 
 
 def _layout(fabric: Any, forward: Any, original: Any) -> Layout:

@@ -97,9 +97,9 @@ class FabricMonitor:
         """Every audited window so far, in order."""
         return self.auditing.auditor.audits
 
-    def micro_batch(self, model: Any, batch: Any) -> None:
-        """In a loop without the accumulator: a micro-batch's forward is about to run."""
-        self.auditing.micro_batch(model, batch)
+    def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None:
+        """A micro-batch's forward is about to run (the accumulator says so itself; a loop without it calls this)."""
+        self.auditing.micro_batch(model, batch, filler)
 
     def audit(self, model: Any) -> Audit | None:
         """In a loop without the accumulator: the window's last backward is done; its audit (None if not audited)."""
