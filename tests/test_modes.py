@@ -495,3 +495,49 @@ def test_k_changed_by_a_callback_is_exact_for_the_window_lightning_steps_or_refu
     loop.run()
     assert_exact(loop, [[batches[i] for i in window] for window in expected])
     assert [[position for position, _ in trained.positions] for trained in loop.windows] == expected
+
+
+# ---------------------------------------------------------------------------------------------------------------------
+# the micro-batch's filler mark, and an epoch this rank leaves early
+# ---------------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_the_filler_mark_lasts_from_the_micro_batch_to_its_backward(mode: str) -> None:
+    """One mark, on the micro-batch: `in_filler_batch()` (what metrics read) is True from a filler's micro-batch to
+    its backward and False after it and for real batches, in every front end alike."""
+    from token_mean import in_filler_batch
+
+    batches = batches_with([4, 6])
+    loop = Loop(mode, [batches[0], None, batches[1]], accumulate=3)
+    epoch = loop.start()
+    seen = []
+    for position in range(3):
+        batch = epoch.next_item()[0]
+        micro = epoch.micro_batch(position, 3, lambda: 0)
+        during = in_filler_batch()
+        loss = mean_loss(loop.model, batch)
+        micro.loss_to_backprop(StepOutput(loss, None, None, loss), batch).backward()
+        micro.backward_done()
+        seen.append((micro.filler, during, micro.is_filler, in_filler_batch()))
+    assert seen == [(False, False, False, False), (True, True, False, False), (False, False, False, False)]
+    assert micro.window_result().window_length == 3
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_an_epoch_left_at_a_batch_it_did_not_train(mode: str) -> None:
+    """A rank whose loop started batch p and left the epoch there (`on_train_batch_start` returned -1) says so,
+    and how many batch starts of the others lie before their window's exchange: the rest of the window that holds p,
+    or, at a window's first batch, that window's (lookahead: only where its counts were announced already)."""
+    loop = Loop(mode, batches_with([4, 6, 5, 7, 3, 2]), accumulate=3)
+    epoch = loop.start()
+    for position in range(2):
+        epoch.started(position)
+        loop.train(epoch, position, epoch.next_item()[0])
+    epoch.started(2)  # started, never trained: the rank left here
+    assert epoch.left_at() == 2 and epoch.left_at() is None  # asked once
+    assert epoch.batch_starts_before_exchange(2, 3) == 0  # the window's last batch: its exchange comes next
+    assert epoch.batch_starts_before_exchange(1, 3) == 1
+    epoch.started(2)
+    epoch.micro_batch(2, 3, lambda: 0)  # trained after all: nothing was left
+    assert epoch.left_at() is None
