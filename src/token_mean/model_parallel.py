@@ -43,7 +43,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
       in such errors are data-parallel ranks.
     - **How the scale reaches the gradient.** ``fully_shard`` reduce-scatters every micro-batch's gradient and
       divides it by P (its default ``gradient_divide_factor``, in any ``reduce_dtype``; Lightning does not use
-      ``no_sync`` here). ``"lookahead"`` scales each micro-batch's loss by K·P·n/N before its backward, as under
+      ``no_sync`` here). ``"lookahead"`` scales each micro-batch's loss by P·n/N before its backward, as under
       DDP: FSDP2's mean then gives Σ∇(loss sums)/N exactly, with nothing added to the backward. ``"deferred"``
       back-propagates loss sums over a provisional D, so the sharded gradients hold Σ∇(loss sums)/(P·D) after the
       window's last backward; one ``torch._foreach_mul_`` of this rank's local shards by P·D/N (a device tensor

@@ -258,8 +258,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     Modes:
         ``"lookahead"`` (default) counts each window's batches before its first backward, with ``count_fn`` on the
         batches as the loader yields them: the next window's batches are read one per micro-batch (at most K held)
-        and their counts ride in the current window's record. Each micro-batch's loss is scaled by K·P·n/N, so
-        every hook, clipping and ``on_after_backward`` sees the final gradient scale, and ``training_step`` may
+        and their counts ride in the current window's record. Each micro-batch's loss, as ``training_step`` returns
+        it, is scaled by P·n/N (Lightning's copy divided by K is not back-propagated), so every hook, clipping and
+        ``on_after_backward`` sees the final gradient scale, and ``training_step`` may
         return ``{"loss": token_mean_part, "aux_loss": term}``: the auxiliary term is averaged over the window's real
         micro-batches on all ranks instead. ``"deferred"`` reads nothing ahead: it counts each micro-batch after its
         forward (``count_fn`` or the ``"num_items"`` ``training_step`` returns), back-propagates local loss sums and
