@@ -48,7 +48,7 @@ cProfile inflates host time (about 2× here, more for many small calls: compare 
 timed and the profiled fits), so the profile's microseconds say *where* the time goes; the ratios come from the
 un-profiled timed fits. Plain DDP's profile holds no package frame (the timing callback calls no package code).
 
-    .venv/bin/python benchmarks/host_time.py            # ~1.5 min on 2 cores -> benchmarks/results/host_time.{json,md}
+    .venv/bin/python benchmarks/host_time.py            # ~2.5 min on 2 cores -> benchmarks/results/host_time.{json,md}
     .venv/bin/python benchmarks/host_time.py --quick    # ~12 s: 40 steps, 1 repetition (temp folder)
     .venv/bin/python benchmarks/host_time.py --repetitions 9 --steps 500
 
@@ -115,7 +115,8 @@ class Settings:
     profile_repetitions: int  # profiled fits per method and K; the fastest (least disturbed) one is reported
 
 
-FULL = Settings(steps=300, warmup_steps=20, repetitions=5, profile_repetitions=3)
+FULL = Settings(steps=150, warmup_steps=20, repetitions=15, profile_repetitions=3)  # many short fits: a median of 15
+# pairs moves less with a neighbouring fit's swing than one of 5 long ones
 QUICK = Settings(steps=40, warmup_steps=10, repetitions=1, profile_repetitions=1)
 
 
@@ -637,8 +638,8 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_output_arguments(parser, "host_time")  # --quick: 40 steps, 1 repetition, temp folder
-    parser.add_argument("--repetitions", type=int, help="interleaved repetitions (default 5; quick: 1)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 300; quick: 40)")
+    parser.add_argument("--repetitions", type=int, help="interleaved repetitions (default 15; quick: 1)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 150; quick: 40)")
     parser.add_argument("--profile-repetitions", type=int,
                         help="profiled fits per method and K, the fastest reported (default 3; quick: 1)")
     args = parser.parse_args()
