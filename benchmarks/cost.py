@@ -49,8 +49,9 @@ and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} 
 same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
 "(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the next window's batches as the loader yielded \
 them, before they move to the device, so on an accelerator they never wait for it; "(n the count)": the ops of \
-`count_valid_labels` itself (`ne`, `sum`): lookahead counts each batch twice, read ahead on the CPU batch and as \
-`training_step` received it (checked to agree), deferred mode and the monitor once, on the device batch.
+`count_valid_labels` itself (`ne`, `sum`): lookahead counts each batch once, read ahead on the CPU batch (again as \
+`training_step` received it only when a hook moved or changed its tensors, 2 more ops then), deferred mode and the \
+monitor once, on the device batch.
 
 - **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
 without the monitor, except lookahead's `count_fn` on the next window's CPU batches. The window's record is read \
@@ -58,8 +59,8 @@ once per window, after its last backward (in the strategy's `backward` hook).
 - **Collectives: one all-reduce per window** (the record), plus per epoch: lookahead's first-window counts (before any \
 forward) and, for unsized loaders, one has-a-batch all-reduce. A stream's end rides in each window's record in both \
 modes (deferred mode peeks one batch before the last backward, from a loader known to yield fresh memory).
-- **Ops per micro-batch**: lookahead {look_micro} (the count of the batch `training_step` received, detaching the \
-loss, scaling it, and the scale's backward); deferred {deferred_micro} (the count on the device, detaching the loss, \
+- **Ops per micro-batch**: lookahead {look_micro} (scaling the loss by a host float, and that product's backward); \
+deferred {deferred_micro} (the count on the device, detaching the loss, \
 the scale, the loss times it and its backward). The rest is once per window: counting the next window's batches \
 (lookahead), building, exchanging and reading the record (lookahead {look_end}, deferred {deferred_end} more ops per \
 window, gradient factor and comm hook included).
@@ -82,8 +83,9 @@ accumulator reads the CPU batches beneath a loader that moves them, and moves ea
 window's record is read once, in `accumulator.finish()`, after the last backward.
 - **Per pass**: the ranks agree on the loader's length (a stream: that every rank is unsized, and that each holds \
 batches), plus lookahead's first-window counts.
-- **Ops per micro-batch**: lookahead {look_micro}, deferred {deferred_micro} (the count on the device, detaching \
-the loss, the scale and its backward, in place of LitGPT's `loss / K` and its backward); lookahead {look_end} and \
+- **Ops per micro-batch**: lookahead {look_micro} (the loss times a host float in place of LitGPT's `loss / K`), \
+deferred {deferred_micro} (the count on the device, detaching the loss, the scale and its backward, in place of \
+LitGPT's `loss / K` and its backward); lookahead {look_end} and \
 deferred {deferred_end} more per window.
 """
 
