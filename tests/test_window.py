@@ -607,3 +607,39 @@ def test_host_counts_sum_on_the_host_and_weight_the_losses_with_items() -> None:
     win.add(0.0, None, filler=True)
     result = win.close().result()
     assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM], result.local_count) == (8.0, 11.5, 8.0)
+
+
+def test_host_floats_among_device_values_are_filled_in_on_the_device_not_copied_from_the_host() -> None:
+    """A tally takes each count, and each side of a check, as a host float or a device tensor. On CUDA a copy from
+    pageable host memory (what ``torch.tensor(v).to(device)`` makes) waits for the device's queue, inside the window:
+    where floats and tensors mix, each float goes in as a kernel argument (``aten.full``), and no host tensor is
+    made (``aten.lift_fresh``) or copied (``aten._to_copy``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self) -> None:
+            super().__init__()
+            self.names: list[str] = []
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            self.names.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    counted, received, loss = scalar(4.0), scalar(2.0), scalar(1.0)
+
+    def mixed(channel: Channel) -> Closing:
+        win = window(channel)
+        win.add(counted, loss, filler=False)
+        win.add(3.0, loss, filler=False)
+        win.check_equal(Problem.COUNT_CHANGED, 4.0, counted)
+        win.check_equal(Problem.COUNT_CHANGED, received, 3.0)
+        return win.close()
+
+    channel = Channel(World.single())
+    mixed(channel)  # the channel makes its index of the record's device slots once (a host tensor, copied once)
+    with Ops() as ops:
+        closing = mixed(channel)
+    assert not {"lift_fresh", "_to_copy", "copy_"} & {name.split(".")[0] for name in ops.names}, ops.names
+    assert ops.names.count("full.default") == 3  # the host count, and the host side of each check
+    with pytest.raises(DenominatorError, match=r"2 valid items as the loader yielded them, 3 in the batches"):
+        closing.result()

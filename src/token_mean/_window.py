@@ -54,19 +54,20 @@ class _Values:
         return self._zero
 
     def counts_stacked(self) -> Tensor:
-        counts = torch.stack([count if isinstance(count, Tensor) else torch.full((), count, dtype=torch.float64,
-                              device=self.device) for count in self.counts])
-        return counts if counts.dtype == torch.float64 else counts.to(torch.float64)
+        return self.stack(self.counts)
 
     def losses_stacked(self) -> Tensor:
         return torch.stack([self.zero() if loss is None else loss for loss in self.losses]).to(torch.float64)
 
     def stack(self, values: list[Tensor | float]) -> Tensor:
-        """float64 on the device: host floats in one copy, device values stacked."""
-        if all(isinstance(value, float) for value in values):
+        """float64 on the device: host floats in one copy, device values stacked. A host float among device values
+        is filled in on the device (a kernel argument): a copy from pageable host memory, what ``torch.tensor(v)
+        .to(device)`` makes, would wait for the device's queue inside the window on CUDA."""
+        if all(type(value) is float for value in values):
             return _torch.to_device(values, torch.float64, self.device)  # type: ignore[arg-type]
-        tensors = [value if isinstance(value, Tensor) else torch.tensor(value) for value in values]
-        return torch.stack([tensor.to(self.device) for tensor in tensors]).to(torch.float64)
+        stacked = torch.stack([value.to(self.device) if isinstance(value, Tensor)
+                               else torch.full((), value, dtype=torch.float64, device=self.device) for value in values])
+        return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
 
     def sides(self, checks: list[Check]) -> tuple[Tensor, Tensor]:
         return self.stack([value for value, _, _ in checks]), self.stack([value for _, value, _ in checks])
