@@ -401,6 +401,48 @@ def test_deferred_raises_a_failing_count_fn_at_the_end_of_the_window_that_holds_
     ]
 
 
+def tiny_on_marked(batch: Batch) -> Tensor | float:
+    """A sample weight so small that a window of two sums to an N whose 1/N overflows float64."""
+    return 1e-320 if "tiny" in batch else count_valid_labels(batch)
+
+
+def tiny_windows(*positions: int) -> list[Batch]:
+    batches = batches_with([4, 5, 6, 7])
+    for position in positions:
+        batches[position] = {**batches[position], "tiny": torch.ones(1)}
+    return batches
+
+
+TINY = Settings(tiny_on_marked, True, "mean", True)
+TOO_SMALL = r"N = 2e-320: the window's total count N is too small or too large for float64 to normalize by"
+
+
+def test_lookahead_raises_an_n_that_cannot_normalize_the_first_window_naming_it_before_its_first_forward() -> None:
+    loop = Loop("lookahead", tiny_windows(0, 1), accumulate=2, settings=TINY)
+    with pytest.raises(DenominatorError, match=TOO_SMALL + r".*, in the accumulation window of optimizer step 0"
+                       r" \(epoch 0, batches 0\.\.1\)\."):
+        loop.run()
+    assert loop.hook == ("begin", 0)
+
+
+def test_lookahead_raises_an_n_that_cannot_normalize_the_next_window_naming_that_window() -> None:
+    """The next window's N arrives with this window's record: raised before this window's update, naming the window
+    it counts (batches 2..3), not the one that carried it."""
+    loop = Loop("lookahead", tiny_windows(2, 3), accumulate=2, settings=TINY)
+    with pytest.raises(DenominatorError, match=TOO_SMALL + r".*, in the accumulation window after that of optimizer"
+                       r" step 0 \(epoch 0, batches 2\.\.3\)\."):
+        loop.run()
+    assert loop.hook == ("after_backward", 1)
+
+
+def test_deferred_raises_an_n_that_cannot_normalize_at_the_end_of_its_window() -> None:
+    loop = Loop("deferred", tiny_windows(2, 3), accumulate=2, settings=TINY)
+    with pytest.raises(DenominatorError, match=TOO_SMALL + r".*, in the accumulation window of optimizer step 1"
+                       r" \(epoch 0, batches 2\.\.3\)\."):
+        loop.run()
+    assert (loop.hook, len(loop.windows)) == (("after_backward", 3), 1)
+
+
 @pytest.mark.parametrize("mode", MODES)
 def test_nan_loss_of_a_micro_batch_with_items_raises_at_the_windows_end(mode: str) -> None:
     batches = batches_with([4, 5, 6, 7])

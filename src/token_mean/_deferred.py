@@ -11,7 +11,6 @@ multiplication of the local gradient shards after it, where the reduction averag
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
@@ -23,8 +22,8 @@ from torch.nn import Module
 from token_mean import _torch
 from token_mean._mode import MicroBatch, Settings, StepOutput, Window, WindowCheck, WindowMode
 from token_mean._problems import Problem
-from token_mean._record import Channel, Kind, Slot, Values, raise_lines
-from token_mean._window import Closing, Tally, scale_of
+from token_mean._record import Channel, Kind, Slot, Values
+from token_mean._window import Closing, Tally, check_global_count
 from token_mean.results import WindowStats
 
 if TYPE_CHECKING:
@@ -176,9 +175,7 @@ class _DeferredWindow(Window):
             raise RuntimeError("token_mean: internal error: a window ended before its last forward was done.")
         result = closing.result()
         global_count = result.reduced[Slot.COUNT]
-        if global_count > 0 and not (math.isfinite(global_count) and math.isfinite(scale_of(1.0, global_count))):
-            lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
-            raise_lines(lines, self.where, self.tally.detail, self.mode.channel.world.rank)
+        check_global_count(global_count, 1.0, self.where, self.tally.detail, self.mode.channel.world.rank)
         self.mode.follow(global_count)
         stats = result.stats(global_count, self.mode.name, None)
         return self._finished(stats, result.reduced[Slot.MORE], result.reduced[Slot.UNSURE] > 0)

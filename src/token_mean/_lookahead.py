@@ -21,8 +21,8 @@ from token_mean._counting import first_labels, read_count
 from token_mean._mode import MicroBatch, StepOutput, Window, WindowMode
 from token_mean._problems import Problem
 from token_mean._reader import Entry
-from token_mean._record import Kind, Reduced, Slot, Values, raise_lines
-from token_mean._window import Closing, Tally, scale_of
+from token_mean._record import Kind, Reduced, Slot, Values
+from token_mean._window import Closing, Tally, check_global_count, scale_of
 from token_mean.results import WindowStats
 
 if TYPE_CHECKING:
@@ -52,8 +52,9 @@ class Lookahead(WindowMode):
             entries = epoch.entries(start, stop)
             local, host = self.announce(entries, tally)
             reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(tally.flags)))
-            reduced.check(tally.where_until(start + len(entries)), tally.detail)
-            counts = self.accept(reduced, start + len(entries), local, tally)
+            where = tally.where_until(start + len(entries))
+            reduced.check(where, tally.detail)
+            counts = self.accept(reduced, start + len(entries), local, tally, where)
         return _LookaheadWindow(self, epoch, tally, counts)
 
     def announce(self, entries: list[Entry], tally: Tally) -> tuple[list[float], dict[Slot, float]]:
@@ -75,14 +76,12 @@ class Lookahead(WindowMode):
         real = float(sum(not entry.filler for entry in entries))
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
-    def accept(self, reduced: Reduced, stop: int, local: list[float], tally: Tally) -> _Counts:
-        """The announced counts of the window that ends at ``stop`` (the record's problems raised already), raising
-        an N that cannot normalize before its use."""
+    def accept(self, reduced: Reduced, stop: int, local: list[float], tally: Tally, where: str) -> _Counts:
+        """The announced counts of the window ``where`` that ends at ``stop`` (the record's problems raised already,
+        ``tally`` the window whose record brought them), raising an N that cannot normalize before its use."""
         global_count = reduced[Slot.NEXT_COUNT]
-        factor = scale_of(self.world_size * tally.accumulate, global_count)
-        if not (math.isfinite(global_count) and math.isfinite(factor)):
-            lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
-            raise_lines(lines, tally.where, tally.detail, self.channel.world.rank)
+        check_global_count(global_count, self.world_size * tally.accumulate, where, tally.detail,
+                           self.channel.world.rank)
         return _Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
 
     def starts_before_exchange(self, epoch: Epoch, position: int, accumulate: int,
@@ -159,8 +158,8 @@ class _LookaheadWindow(Window):
         result = closing.result()
         counts, reduced = self.counts, result.reduced
         # the next window's counts arrived with this window's record: every problem is raised before this update
-        self.next_counts = self.mode.accept(reduced, counts.stop + len(self._next_local), self._next_local,
-                                            self.tally)
+        stop = counts.stop + len(self._next_local)
+        self.next_counts = self.mode.accept(reduced, stop, self._next_local, self.tally, self.tally.where_next(stop))
         aux = reduced[Slot.AUX_SUM] / counts.real if self.tally.has_aux and counts.real else None
         stats = result.stats(counts.global_count, self.mode.name, aux)
         return self._finished(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0)

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from token_mean import _torch
 from token_mean._problems import Problem
-from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values
+from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values, raise_lines
 from token_mean.results import WindowStats
 
 # the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
@@ -117,6 +117,10 @@ class Tally:
     def where_until(self, stop: int) -> str:
         """The window as messages name it, for the micro-batches up to ``stop`` (its planned end before any)."""
         return f"the accumulation window of {self.step}, batches {self.start}..{stop - 1})"
+
+    def where_next(self, stop: int) -> str:
+        """The window after this one, up to ``stop``, as messages name it (lookahead counts it during this one)."""
+        return f"the accumulation window after that of {self.step}, batches {self.start + self.length}..{stop - 1})"
 
     @property
     def flags(self) -> set[Problem]:
@@ -383,6 +387,15 @@ class Result:
         )
 
 
+def check_global_count(global_count: float, numerator: float, where: str, detail: str, rank: int) -> None:
+    """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize ``where``:
+    N itself, or ``numerator / N`` (the largest factor the mode makes of it), is not finite."""
+    if math.isfinite(global_count) and math.isfinite(scale_of(numerator, global_count)):
+        return
+    lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
+    raise_lines(lines, where, detail, rank)
+
+
 def scale_of(numerator: float, count: float) -> float:
     """numerator / count, 0 for an empty window; a non-finite result is the caller's COUNT_RANGE problem."""
     if count == 0:
@@ -393,4 +406,4 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = ["Closing", "Diagnosis", "Result", "Tally", "WindowStats", "scale_of"]
+__all__ = ["Closing", "Diagnosis", "Result", "Tally", "WindowStats", "check_global_count", "scale_of"]
