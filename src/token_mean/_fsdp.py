@@ -118,8 +118,9 @@ def layout(model: Module, mesh: Any, device: torch.device) -> Layout:
     """The core's view of ``model`` sharded over ``mesh`` (``check_reduction`` tells whether FSDP2 reduces as the
     package relies on)."""
     world = mesh_world(mesh, device)
+    groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
     return Layout(world, lambda: AfterReduction(model, world.size),
-                  sync_flags=lambda: _torch.fsdp_reduces_gradients(model))  # read by FSDP2 as the backward runs
+                  sync_flags=lambda: _torch.fsdp_reduces_gradients(groups))  # read by FSDP2 as the backward runs
 
 
 __all__ = ["Outputs", "check_reduction", "layout", "mesh_world"]

@@ -6,7 +6,7 @@ A torch upgrade has this one file to check.
 from __future__ import annotations
 
 import array
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,41 +25,41 @@ class Reduction:
     divide_factor: float | None  # set by `set_gradient_divide_factor`; None: the mean over `ranks`
 
 
-def fsdp_reductions(model: Module) -> Iterator[Reduction]:
-    """Each FSDP2 parameter group of ``model``: the ranks its gradients are reduced over and its divide factor.
+def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
+    """Each FSDP2 parameter group of ``model``, with the name of the module that holds it.
 
-    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` lists the module's parameter groups; each has
-    ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``) and ``gradient_divide_factor``;
-    ``foreach_reduce`` divides the reduced gradient by that factor, or by shard × replicate size when it is None
-    (``_get_gradient_divide_factors``: ``ReduceOp.AVG``, or a SUM with a pre- and post-division for float16 and
-    float64), for every reduce dtype.
+    Relies on: ``fully_shard`` makes each module's groups, and ``FSDPModule._get_fsdp_state()._fsdp_param_groups``
+    lists them.
     """
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        state = module._get_fsdp_state()
-        for group in getattr(state, "_fsdp_param_groups", ()):
-            mesh_info = group.mesh_info
-            ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
-            yield Reduction(name, ranks, group.gradient_divide_factor)
+        if isinstance(module, FSDPModule):
+            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+                yield name, group
 
 
-def fsdp_reduces_gradients(model: Module) -> list[bool]:
-    """Whether each FSDP2 parameter group of ``model`` reduces its gradients in the next backward.
+def fsdp_reductions(model: Module) -> Iterator[Reduction]:
+    """Each FSDP2 parameter group of ``model``: the ranks its gradients are reduced over and its divide factor.
+
+    Relies on: each parameter group has ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``)
+    and ``gradient_divide_factor``; ``foreach_reduce`` divides the reduced gradient by that factor, or by shard ×
+    replicate size when it is None (``_get_gradient_divide_factors``: ``ReduceOp.AVG``, or a SUM with a pre- and
+    post-division for float16 and float64), for every reduce dtype.
+    """
+    for name, group in fsdp_param_groups(model):
+        mesh_info = group.mesh_info
+        ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
+        yield Reduction(name, ranks, group.gradient_divide_factor)
+
+
+def fsdp_reduces_gradients(groups: Sequence[Any]) -> list[bool]:
+    """Whether each FSDP2 parameter group in ``groups`` reduces its gradients in the next backward.
 
     Relies on: ``set_requires_gradient_sync`` (and Fabric's ``no_backward_sync``) sets ``reduce_grads`` on every
     parameter group, and ``FSDPParamGroup.post_backward`` reads it when the backward runs.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    return [
-        bool(group.reduce_grads)
-        for module in model.modules()
-        if isinstance(module, FSDPModule)
-        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ())
-    ]
+    return [bool(group.reduce_grads) for group in groups]
 
 
 def drop_fsdp_unreduced_gradients(model: Module) -> None:
@@ -71,17 +71,12 @@ def drop_fsdp_unreduced_gradients(model: Module) -> None:
     ``_unsharded_param.grad`` (or, for another reduce dtype, ``unsharded_accumulated_grad``), and the next reducing
     ``post_backward`` reduce-scatters it with the new one.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-            for parameter in group.fsdp_params:
-                parameter.unsharded_accumulated_grad = None
-                unsharded = getattr(parameter, "_unsharded_param", None)
-                if unsharded is not None:
-                    unsharded.grad = None
+    for _, group in fsdp_param_groups(model):
+        for parameter in group.fsdp_params:
+            parameter.unsharded_accumulated_grad = None
+            unsharded = getattr(parameter, "_unsharded_param", None)
+            if unsharded is not None:
+                unsharded.grad = None
 
 
 def fsdp_parameter_pairs(model: Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
@@ -89,24 +84,18 @@ def fsdp_parameter_pairs(model: Module) -> list[tuple[torch.nn.Parameter, Tensor
     between forwards, whose ``.grad`` the optimizer reads, and the tensor registered in its place during forward and
     backward, the leaf autograd records.
 
-    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups[i].fsdp_params`` lists each group's ``FSDPParam``s;
-    an ``FSDPParam``'s ``sharded_param`` is the registered DTensor and its ``_unsharded_param`` is created at the first
-    all-gather and kept as one object (resharding frees its storage, the next all-gather refills it). Only a ``.grad``
-    set on the unsharded parameter is reduce-scattered by ``FSDPParamGroup.post_backward``: with none, it reduces
-    nothing (unless ``reduce_scatter_unused_params``, which reduces zeros) and only reshards.
+    Relies on: a parameter group's ``fsdp_params`` lists its ``FSDPParam``s; an ``FSDPParam``'s ``sharded_param`` is
+    the registered DTensor and its ``_unsharded_param`` is created at the first all-gather and kept as one object
+    (resharding frees its storage, the next all-gather refills it). Only a ``.grad`` set on the unsharded parameter
+    is reduce-scattered by ``FSDPParamGroup.post_backward``: with none, it reduces nothing (unless
+    ``reduce_scatter_unused_params``, which reduces zeros) and only reshards.
     """
-    from torch.distributed.fsdp import FSDPModule
-
-    pairs = []
-    for module in model.modules():
-        if not isinstance(module, FSDPModule):
-            continue
-        for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
-            for parameter in group.fsdp_params:
-                unsharded = getattr(parameter, "_unsharded_param", None)
-                if unsharded is not None:  # None until the first forward
-                    pairs.append((parameter.sharded_param, unsharded))
-    return pairs
+    return [
+        (parameter.sharded_param, parameter._unsharded_param)
+        for _, group in fsdp_param_groups(model)
+        for parameter in group.fsdp_params
+        if getattr(parameter, "_unsharded_param", None) is not None  # None until the first forward
+    ]
 
 
 def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
@@ -217,6 +206,7 @@ __all__ = [
     "Reduction",
     "ddp_ignored",
     "drop_fsdp_unreduced_gradients",
+    "fsdp_param_groups",
     "fsdp_parameter_pairs",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
