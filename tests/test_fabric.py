@@ -8,11 +8,16 @@ counted by ``count_shifted_labels``). LitGPT's own loop, ``fabric.backward(loss 
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import pytest
-from _fabric import accumulator_loop, fabric_for, launched, plain_loop, reference
-from _harness import EXACT, MODES, Batch, empty_like, ragged_batches, relative_error
+import torch.distributed as dist
+from _cost import Tallies
+from _fabric import GLOO, accumulator_loop, fabric_for, launched, plain_loop, reference
+from _harness import EXACT, MODES, SHORT_TIMEOUT, Batch, empty_like, ragged_batches, relative_error
+from lightning.fabric import Fabric
+from lightning.fabric.strategies import DDPStrategy
 
 MISSES = 1e-6
 
@@ -78,3 +83,44 @@ def test_uneven_ranks_are_padded_with_fillers(layout: str, mode: str) -> None:
     expected, _ = reference(data, 3)
     params = launched(fabric_for(layout), accumulator_loop, data, 3, mode)
     assert relative_error(params, expected) < EXACT
+
+
+def forked_ranks() -> Fabric:
+    """Two forked gloo processes whose collectives time out after 15 s (a rank left alone fails, not the suite)."""
+    strategy = DDPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, **GLOO)
+    return Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def every_rank(result: Any) -> list[Any]:
+    """Every rank's ``result`` (small picklable values), in rank order, over the default group."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_one_device_in_a_process_with_a_default_group(mode: str, tmp_path: Path) -> None:
+    """Two processes that have a gloo default group (the launch initializes it, as ``torchrun`` would for other
+    reasons) each train their own model alone on one device, on their own data: each matches its own one-process
+    reference, and the accumulator issues no collective (the default group's ranks share no denominator)."""
+    data = ragged(2, 7, seed=11)
+    results = launched(forked_ranks(), _alone_on_one_device, data, mode, tmp_path)
+    for rank, (error, collectives) in enumerate(results):
+        assert error < EXACT, f"rank {rank}: {error:.3e} from its own reference"
+        assert collectives == {}, f"rank {rank} issued collectives: {collectives}"
+
+
+def _alone_on_one_device(fabric: Fabric, data: list[list[Batch]], mode: str, directory: Path) -> list[Any]:
+    own = [data[fabric.global_rank]]
+    counter = Tallies(directory)  # every c10d collective dispatched on this thread, from here to `stop`
+    counter.start()
+    try:
+        params = accumulator_loop(Fabric(accelerator="cpu", devices=1), own, 3, mode)
+    finally:
+        counter.stop()
+    collectives = {name: count for tally in counter.cycles.values() for name, count in tally.items()
+                   if name.startswith(("collective:", "gradient:"))}
+    expected, _ = reference(own, 3)
+    return every_rank((relative_error(params, expected), collectives))

@@ -1,6 +1,7 @@
 """What the package needs of a DDP-wrapped model, under the Trainer and under Fabric alike.
 
-- :func:`layout`: the core's view of DDP (or of one process), for every front end.
+- :func:`layout`: the core's view of DDP (or of a model no strategy wrapped), for every front end.
+- :func:`single_layout`: one process that trains alone, whatever process group it may have.
 - :class:`InReduction`: deferred mode's factor, inside DDP's bucket all-reduce (a communication hook).
 - :class:`UnreducedParameters`: DDP reduces the gradients of the parameters that required one when it wrapped the
   model; a parameter unfrozen later (``BaseFinetuning``) trains on each rank's own gradient, so the replicas drift
@@ -43,10 +44,22 @@ def layout(model: Module, device: torch.device) -> Layout:
     all of them share the denominator), or of a model no strategy wrapped (one process)."""
     world = default_world(device)
     if not isinstance(model, DistributedDataParallel):
-        return Layout(world, lambda: AfterReduction(model, world.size))
+        return _unwrapped(model, world)
     return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
                   lambda: _torch.rebuild_ddp_buckets(model),
                   lambda: (model.require_forward_param_sync,))  # what the forward prepared the backward for
+
+
+def single_layout(model: Module, device: torch.device) -> Layout:
+    """One process training ``model`` alone (Fabric's single device): no collective, even where a default process
+    group is initialized (several independent processes launched by ``torchrun`` for other reasons): its ranks do
+    not share this model's denominator."""
+    return _unwrapped(model, World.single(device))
+
+
+def _unwrapped(model: Module, world: World) -> Layout:
+    """A model no strategy wrapped, over ``world``: the factor applied after the backward (``AfterReduction``)."""
+    return Layout(world, lambda: AfterReduction(model, world.size))
 
 
 class InReduction(GradientPath):
@@ -137,4 +150,12 @@ def stand_in_loss(module: Module) -> Tensor:
     return torch.stack([p.sum() * 0.0 for p in parameters]).sum()
 
 
-__all__ = ["InReduction", "ShadowBackward", "UnreducedParameters", "default_world", "layout", "stand_in_loss"]
+__all__ = [
+    "InReduction",
+    "ShadowBackward",
+    "UnreducedParameters",
+    "default_world",
+    "layout",
+    "single_layout",
+    "stand_in_loss",
+]

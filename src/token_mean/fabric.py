@@ -360,7 +360,7 @@ def _checked_model(fabric: Any, model: Any, accumulate: object) -> tuple[Any, An
 
 
 def _layout(fabric: Any, forward: Any, original: Any) -> Layout:
-    """The core's view of Fabric's strategy (the shared ``_ddp.layout`` and ``_fsdp.layout``)."""
+    """The core's view of Fabric's strategy (the shared ``_ddp`` and ``_fsdp`` layouts)."""
     from lightning.fabric.strategies.ddp import DDPStrategy
     from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
     from lightning.fabric.strategies.fsdp import FSDPStrategy
@@ -373,7 +373,7 @@ def _layout(fabric: Any, forward: Any, original: Any) -> Layout:
                if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
         raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
     if isinstance(strategy, SingleDeviceStrategy):
-        return _ddp.layout(original, device)
+        return _ddp.single_layout(original, device)  # a default group the user initialized is not its world
     if isinstance(strategy, DDPStrategy):
         return _ddp.layout(forward, device)
     if isinstance(strategy, ModelParallelStrategy):
