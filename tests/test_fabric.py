@@ -15,9 +15,12 @@ import pytest
 import torch.distributed as dist
 from _cost import Tallies
 from _fabric import GLOO, accumulator_loop, fabric_for, launched, plain_loop, reference
-from _harness import EXACT, MODES, SHORT_TIMEOUT, Batch, empty_like, ragged_batches, relative_error
+from _harness import EXACT, MODES, SHORT_TIMEOUT, Batch, TokenNet, empty_like, ragged_batches, relative_error
 from lightning.fabric import Fabric
 from lightning.fabric.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
+
+from token_mean import _ddp
 
 MISSES = 1e-6
 
@@ -124,3 +127,52 @@ def _alone_on_one_device(fabric: Fabric, data: list[list[Batch]], mode: str, dir
                    if name.startswith(("collective:", "gradient:"))}
     expected, _ = reference(own, 3)
     return every_rank((relative_error(params, expected), collectives))
+
+
+def subgroups(fabric: Fabric) -> dict[str, Any]:
+    """A process group of this rank alone, and one of both ranks (another object than the default group). Every rank
+    creates every group in the same order: ``new_group`` is a collective over the default group."""
+    alone = [dist.new_group([rank]) for rank in range(fabric.world_size)]
+    return {"own": alone[fabric.global_rank], "both": dist.new_group(list(range(fabric.world_size)))}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_the_world_of_a_ddp_model_is_its_process_group() -> None:
+    """The ranks that share the denominator are those DDP reduces the gradients over: a group of one rank is one
+    process (rank 1 is rank 0 of its own group), a group of both ranks is their world over that group."""
+    worlds = launched(forked_ranks(), _worlds_of_ddp_groups)
+    assert worlds == [
+        {"own": (1, 0, False, False), "both": (2, rank, True, True), "default": (2, rank, True, True)}
+        for rank in range(2)
+    ]
+
+
+def _worlds_of_ddp_groups(fabric: Fabric) -> list[Any]:
+    worlds = {}
+    for name, group in [*subgroups(fabric).items(), ("default", None)]:
+        model = DistributedDataParallel(TokenNet(), process_group=group)
+        world = _ddp.layout(model, fabric.device).world
+        worlds[name] = (world.size, world.rank, world.distributed, world.group is model.process_group)
+    return every_rank(worlds)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("group", ["own", "both"])
+def test_ddp_over_another_process_group(group: str, mode: str) -> None:
+    """Fabric's DDP given a ``process_group`` (its ``DDPStrategy`` kwargs go to ``DistributedDataParallel``): in a
+    group of its own each rank matches its own one-process reference; in a group of both ranks (not the default
+    group's object) they match the two-rank reference, the record reduced over that group."""
+    data = ragged(2, 7, seed=13)
+    errors = launched(forked_ranks(), _in_group, data, group, mode)
+    for rank, error in enumerate(errors):
+        assert error < EXACT, f"rank {rank}: {error:.3e} from its reference"
+
+
+def _in_group(fabric: Fabric, data: list[list[Batch]], group: str, mode: str) -> list[float]:
+    fabric.strategy._ddp_kwargs["process_group"] = subgroups(fabric)[group]  # read as `fabric.setup` wraps the model
+    params = accumulator_loop(fabric, data, 3, mode)
+    expected, _ = reference([data[fabric.global_rank]] if group == "own" else data, 3)
+    return every_rank(relative_error(params, expected))

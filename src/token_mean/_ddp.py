@@ -34,17 +34,28 @@ from token_mean._record import Kind, Reduced, World
 
 def default_world(device: torch.device) -> World:
     """All ranks of the default process group (one process when there is none)."""
-    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-        return World(dist.get_world_size(), dist.get_rank(), device, distributed=True)
+    if dist.is_available() and dist.is_initialized():
+        return group_world(None, device)
     return World.single(device)
 
 
+def group_world(group: Any, device: torch.device) -> World:
+    """The ranks of ``group`` (None: the default group), which must exist: a group of one is one process."""
+    size = dist.get_world_size(group)
+    if size == 1:
+        return World.single(device)
+    return World(size, dist.get_rank(group), device, group=group, distributed=True)
+
+
 def layout(model: Module, device: torch.device) -> Layout:
-    """The core's view of ``model`` wrapped in DDP over the default process group (every rank holds its own batch;
-    all of them share the denominator), or of a model no strategy wrapped (one process)."""
-    world = default_world(device)
+    """The core's view of ``model`` wrapped in DDP (every rank holds its own batch; the ranks of DDP's process group
+    share the denominator), or of a model no strategy wrapped (the default group's ranks, one process without one:
+    FSDP1 and DeepSpeed reduce over the default group)."""
     if not isinstance(model, DistributedDataParallel):
-        return _unwrapped(model, world)
+        return _unwrapped(model, default_world(device))
+    # the group DDP reduces the gradients over (`DDPStrategy(process_group=...)` passes one through), not the
+    # default group: the counts must add up over the ranks whose gradients add up
+    world = group_world(model.process_group, device)
     return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
                   lambda: _torch.rebuild_ddp_buckets(model),
                   lambda: (model.require_forward_param_sync,))  # what the forward prepared the backward for
@@ -155,6 +166,7 @@ __all__ = [
     "ShadowBackward",
     "UnreducedParameters",
     "default_world",
+    "group_world",
     "layout",
     "single_layout",
     "stand_in_loss",

@@ -113,9 +113,10 @@ class Measured:
 
     def start(self, trainer: Trainer) -> None:
         world = measured_world(trainer)
-        if world.distributed:
-            # the measurement's collectives run on the default group, which a plain strategy never destroys: a
-            # gloo group alive when the interpreter finalizes can abort the exit (token_mean._exit)
+        if world.distributed or trainer.world_size > 1:
+            # the measurement's collectives run on the default group (or on DDP's own, a rank of a group of one
+            # running none), which a plain strategy never destroys: a gloo group alive when the interpreter
+            # finalizes can abort the exit (token_mean._exit)
             destroy_process_group_at_exit()
         self._channel = Channel(world, rank_counts=True)
 

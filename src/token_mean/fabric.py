@@ -173,7 +173,7 @@ class TokenMeanAccumulator:
         self._fabric, self._model = fabric, model
         self._epochs = Epochs(make_mode(mode_name, self._layout, settings, rank_counts=monitor is not None),
                               pad_uneven_ranks, "pass")
-        if self._layout.world.distributed:
+        if fabric.world_size > 1:  # the strategy's processes, though DDP's own group may hold this rank alone
             destroy_process_group_at_exit()
         if monitor is not None:  # the audit counts as the accumulator does
             monitor.auditing.attach(model, settings.count_fn, loss_reduction, aux=mode_name == "lookahead")
