@@ -365,7 +365,7 @@ def test_window_carries_aux_sums_added_slots_and_what_the_mode_announces() -> No
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.5))
     win.add_to(Slot.NAIVE, scalar(3.0))
     assert win.has_aux
-    result = win.close(Values({Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0})).result()
+    result = win.close({Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0}).result()
     assert result.reduced[Slot.AUX_SUM] == 0.75
     assert result.reduced[Slot.NAIVE] == 3.0
     assert (result.reduced[Slot.NEXT_COUNT], result.reduced[Slot.MORE]) == (7.0, 1.0)

@@ -25,7 +25,7 @@ def scaled_allreduce_hook(
     mode, group = state(), state.group
     factor = 1.0 / group.size() if mode is None else mode.gradient_factor()
     buffer = bucket.buffer()
-    if buffer.is_cuda and dist.get_backend(group) == "nccl" and isinstance(factor, torch.Tensor):
+    if state.nccl and buffer.is_cuda and isinstance(factor, torch.Tensor):
         work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), group=group, async_op=True)
         assert work is not None
     else:

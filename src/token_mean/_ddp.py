@@ -113,6 +113,7 @@ class _HookState:
     def __init__(self, mode: Deferred, group: Any) -> None:
         self._mode = weakref.ref(mode)
         self.group = group  # DDP's own process group, which DDP holds as long (no cycle)
+        self.nccl = dist.get_backend(group) == "nccl"  # asked once, not per bucket
 
     def follow(self, mode: Deferred) -> None:
         self._mode = weakref.ref(mode)

@@ -18,9 +18,10 @@ from token_mean._reader import Reader
 
 
 def batch_position(trainer: pl.Trainer) -> int:
-    """The position of the batch being trained in its epoch.
+    """The position of the batch being trained (or started) in its epoch.
 
-    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``training_step``.
+    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``on_train_batch_start`` and
+    ``training_step``.
     """
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) - 1
 

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 from token_mean._counting import first_labels, read_count
-from token_mean._mode import MicroBatch, StepOutput, Window, WindowMode
+from token_mean._mode import MicroBatch, StepOutput, Window, WindowMode, k_changed
 from token_mean._problems import Problem
 from token_mean._reader import Entry
 from token_mean._record import Kind, Reduced, Slot, Values
@@ -107,7 +107,14 @@ class _LookaheadWindow(Window):
         self._ahead = epoch.window_stop(counts.stop, tally.accumulate)  # where the next window ends
 
     def _replan(self, position: int, accumulate: int) -> None:
-        super()._replan(position, accumulate)  # Lightning steps where the window was planned to end, or refused
+        """Lightning must still step where the window was planned to end: its first backward passes were normalized
+        by the window's items as planned."""
+        stop = self.epoch.window_stop(position, accumulate)
+        if stop != self.stop:
+            raise ValueError(k_changed(self.accumulate, accumulate, position, (
+                f"inside {self.where}: Lightning now steps after batch {stop - 1}, but `mode='lookahead'` normalized"
+                " the window's first backward passes by the items of the window as it was planned. Use"
+                " `mode='deferred'`, which follows the window Lightning steps")))
         self._ahead = self.epoch.window_stop(self.stop, accumulate)
 
     def _micro_batch(self, position: int, last: bool) -> MicroBatch:

@@ -35,7 +35,7 @@ from torch import Tensor
 from token_mean import _filler
 from token_mean._counting import CountFn, device_count, first_labels
 from token_mean._problems import Problem
-from token_mean._record import Channel, Slot, Values
+from token_mean._record import Channel, Slot
 from token_mean._window import Closing, Tally
 from token_mean.results import WindowStats
 
@@ -194,20 +194,15 @@ class Window(ABC):
         window of the micro-batches the mode counts (:meth:`_replan`)."""
         old = self.accumulate
         if position % accumulate == 0:
-            raise ValueError(_k_changed(old, accumulate, position, (
+            raise ValueError(k_changed(old, accumulate, position, (
                 f"inside {self.where}: {position} is a multiple of {accumulate}, so Lightning zeroes the gradient"
                 f" there and drops the window's batches {self.start}..{position - 1} from its update")))
         self._replan(position, accumulate)
         self.tally.accumulate = accumulate
 
+    @abstractmethod
     def _replan(self, position: int, accumulate: int) -> None:
-        """Follow Lightning's new end of the window (by default: only where it stays where it was)."""
-        if self.epoch.window_stop(position, accumulate) != self.stop:
-            raise ValueError(_k_changed(self.accumulate, accumulate, position, (
-                f"inside {self.where}: Lightning now steps after batch"
-                f" {self.epoch.window_stop(position, accumulate) - 1}, but `mode='lookahead'` normalized the"
-                " window's first backward passes by the items of the window as it was planned. Use"
-                " `mode='deferred'`, which follows the window Lightning steps")))
+        """Follow Lightning's new end of the window, K now ``accumulate`` from ``position`` on, or refuse it."""
 
     def _close(self, host: Mapping[Slot, float], peek: bool) -> Closing:
         """After the window's last forward: the front end's checks and the pass's end into the record, then the
@@ -219,7 +214,7 @@ class Window(ABC):
         end, problems = self.epoch.at_close(self.stop, peek)
         for problem, detail in problems:
             tally.flag(problem, detail)
-        return tally.close(Values({**host, **end}))
+        return tally.close({**host, **end})
 
     def _finished(self, stats: WindowStats, more: float, unsure: bool) -> WindowStats:
         """The window's record was read: the pass follows (a stream goes on or ends), the window is over."""
@@ -284,7 +279,7 @@ class WindowMode(ABC):
                 " Call the closure once per batch."
             )
         if previous is not None and previous.accumulate != accumulate and start % accumulate:
-            raise ValueError(_k_changed(previous.accumulate, accumulate, start, (
+            raise ValueError(k_changed(previous.accumulate, accumulate, start, (
                 f"where a window starts, but {start} is not a multiple of {accumulate}: Lightning zeroes the"
                 " gradient only at batches whose index is a multiple of K, so this window's update would apply the"
                 " gradient of the window before it a second time")))
@@ -342,7 +337,7 @@ class WindowMode(ABC):
         self._saved_accumulate = None if saved is None else int(saved)
 
 
-def _k_changed(old: int, new: int, position: int, where: str) -> str:
+def k_changed(old: int, new: int, position: int, where: str) -> str:
     return (
         f"token_mean: `trainer.accumulate_grad_batches` changed from {old} to {new} at batch {position}, {where}."
         " Change K where a window starts, at a batch whose index is a multiple of the new K (in"
@@ -351,4 +346,14 @@ def _k_changed(old: int, new: int, position: int, where: str) -> str:
     )
 
 
-__all__ = ["LossReduction", "MicroBatch", "Mode", "Settings", "StepOutput", "Window", "WindowCheck", "WindowMode"]
+__all__ = [
+    "LossReduction",
+    "MicroBatch",
+    "Mode",
+    "Settings",
+    "StepOutput",
+    "Window",
+    "WindowCheck",
+    "WindowMode",
+    "k_changed",
+]

@@ -47,11 +47,13 @@ class _Memory(NamedTuple):
                     return True
         return False
 
-    def overwrites(self, other: _Memory) -> bool:
-        for start, stop, tensor, version in self.spans:
-            for other_start, other_stop, _, _ in other.spans:
-                if start < other_stop and other_start < stop and (tensor, version) not in other.fingerprint:
-                    return True
+    def overwrites(self, others: list[_Memory]) -> bool:
+        """Whether this batch's memory overlaps that of one of ``others`` where it is not the very same tensor."""
+        for other in others:
+            for start, stop, tensor, version in self.spans:
+                for other_start, other_stop, _, _ in other.spans:
+                    if start < other_stop and other_start < stop and (tensor, version) not in other.fingerprint:
+                        return True
         return False
 
 
@@ -66,32 +68,30 @@ class _Held(NamedTuple):
 
 
 def _storages(batch: Any) -> _Memory:
-    spans, fingerprint = [], []
-    for leaf in _tensors(batch):
-        tensor, version = id(leaf), _torch.version(leaf)
-        fingerprint.append((tensor, version))
-        if leaf.numel() > 0:
-            start = leaf.data_ptr()
-            spans.append((start, start + _torch.extent(leaf), tensor, version))
-    return _Memory(tuple(spans), tuple(fingerprint))
-
-
-def _fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
-    return tuple((id(tensor), _torch.version(tensor)) for tensor in tensors)
+    tensors = _tensors(batch)
+    fingerprint = tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True))
+    spans = tuple([(start, stop, *identity) for (start, stop), identity in zip(_torch.spans(tensors), fingerprint,
+                                                                              strict=True) if start != stop])
+    return _Memory(spans, fingerprint)
 
 
 _LEAVES = (int, float, bool, str, bytes, type(None))
 
 
 def _tensors(batch: Any) -> list[Tensor]:
-    """The tensors in a batch: plain dicts, lists and tuples walked directly (a few microseconds per batch), other
+    """The tensors in a batch: plain dicts, lists and tuples walked directly (a flat one in a single call), other
     containers through torch's pytree."""
     if isinstance(batch, Tensor):
         return [batch]
     kind = type(batch)
     if kind is dict or kind is list or kind is tuple:
-        values = batch.values() if kind is dict else batch
-        return [tensor for value in values for tensor in _tensors(value)]
+        tensors: list[Tensor] = []
+        for value in batch.values() if kind is dict else batch:
+            if isinstance(value, Tensor):
+                tensors.append(value)
+            elif not isinstance(value, _LEAVES):
+                tensors += _tensors(value)
+        return tensors
     if isinstance(batch, _LEAVES):
         return []
     leaves, _ = tree_flatten(batch)
@@ -317,15 +317,15 @@ class _Memories:
         self.refills = self.refills or memory.shares(self._previous)
         self._previous = memory
         self._reads += 1
-        aliased = in_flight and memory.overwrites(self.current)
-        for other in held:
-            aliased = aliased or memory.overwrites(other)
-        return aliased
+        return memory.overwrites([*held, self.current] if in_flight else held)
 
     def unchanged(self, batch: Any) -> bool:
         # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
         current = self.current.fingerprint
-        return bool(current) and _fingerprint(_tensors(batch)) == current
+        if not current:
+            return False
+        tensors = _tensors(batch)
+        return tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True)) == current
 
 
 class _Source:

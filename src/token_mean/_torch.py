@@ -154,10 +154,16 @@ def to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch
     return host.to(device, non_blocking=True)
 
 
-def extent(tensor: Tensor) -> int:
-    """How many bytes from ``tensor.data_ptr()`` its elements reach (its strides included; non-negative strides)."""
-    if tensor.is_contiguous():
-        return tensor.numel() * tensor.element_size()
+def spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
+    """The bytes ``[data_ptr, data_ptr + extent)`` each tensor's elements reach (its strides included; non-negative
+    strides); an empty tensor reaches none."""
+    return [(start, start + (tensor.numel() * tensor.element_size() if tensor.is_contiguous() else _extent(tensor)))
+            for tensor in tensors for start in (tensor.data_ptr(),)]
+
+
+def _extent(tensor: Tensor) -> int:
+    if tensor.numel() == 0:
+        return 0
     reach = sum((size - 1) * stride for size, stride in zip(tensor.shape, tensor.stride(), strict=True))
     return (reach + 1) * tensor.element_size()
 
@@ -202,6 +208,11 @@ def version(tensor: Tensor) -> int:
     return int(tensor._version)
 
 
+def versions(tensors: list[Tensor]) -> list[int]:
+    """:func:`version` of each tensor."""
+    return [tensor._version for tensor in tensors]
+
+
 __all__ = [
     "Reduction",
     "ddp_ignored",
@@ -215,6 +226,8 @@ __all__ = [
     "premul_sum",
     "rebuild_ddp_buckets",
     "shadow_ddp_backward",
+    "spans",
     "to_device",
     "version",
+    "versions",
 ]

@@ -11,7 +11,9 @@ rank raised a problem. Everything per micro-batch stays on the device, detached,
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 
 import torch
 import torch.distributed as dist
@@ -23,6 +25,8 @@ from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values, r
 from token_mean.results import WindowStats
 
 # the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
+_NOTHING: Mapping[Slot, float] = MappingProxyType({})
+
 _CHECK_SLOTS = {
     Problem.NUM_ITEMS_MISMATCH_COUNT_FN: (Slot.REPORTED, Slot.COUNTED),
     Problem.NUM_ITEMS_MISMATCH_DEFAULT: (Slot.REPORTED, Slot.COUNTED),
@@ -170,8 +174,9 @@ class Tally:
 
     # ---- ending ----
 
-    def close(self, announce: Values = Values()) -> Closing:  # noqa: B008 (frozen)
-        """After the window's last forward: start its exchange (``announce``: what else the record carries).
+    def close(self, host: Mapping[Slot, float] = _NOTHING) -> Closing:
+        """After the window's last forward: start its exchange (``host``: what else the record carries, host values
+        the mode and the epoch add).
 
         The record carries the window's sums and what tells a problem from them (a non-finite sum, a bad count, a
         check that differs): a handful of kernels. Which rank had which problem is only worked out when some sum
@@ -180,12 +185,12 @@ class Tally:
         """
         values = self._values
         length = float(self.length)
-        host = {**announce.host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
-        device = [*self._added, *announce.device]
-        flags = self._flags | announce.flags
-        device_flags = list(announce.device_flags)
+        sums = {**host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
+        device = list(self._added)
+        flags: set[Problem] = self._flags
+        device_flags: list[tuple[Problem, Tensor]] = []
         if all(type(count) is float for count in values.counts):  # lookahead: counted on the host as read
-            local: Tensor | float = self._host_sums(host, device)
+            local: Tensor | float = self._host_sums(sums, device)
         else:
             local = self._device_sums(device)
         if values.aux:
@@ -194,9 +199,9 @@ class Tally:
             left, right = values.sides(checks)
             device.append((Slot.DIFFERENT, (left != right).sum(dtype=torch.float64)))
         if self.channel.world.replica_group is not None:
-            device_flags += self.diagnosis().flags()
-            device_flags, flags = self.diagnosis().shared_with_replicas(self.channel, flags, device_flags), set()
-        return Closing(self, self.channel.start(Kind.WINDOW, Values(host, device, frozenset(flags), device_flags)),
+            diagnosis = self.diagnosis()
+            device_flags, flags = diagnosis.shared_with_replicas(self.channel, flags, diagnosis.flags()), set()
+        return Closing(self, self.channel.start(Kind.WINDOW, Values(sums, device, frozenset(flags), device_flags)),
                        local)
 
     def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot, Tensor]]) -> float:
@@ -357,12 +362,13 @@ class Closing:
             local = reduced.local[0]
         else:
             reduced = self._exchange.read()
-        if reduced.in_step() and not window.healthy(reduced):
-            diagnosis, length = window.diagnosis(), float(window.length)
-            values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, diagnosis.check_slots(),
-                            frozenset(window.flags), diagnosis.flags())
-            window.channel.reduce(Kind.DIAGNOSIS, values).check(window.where, window.detail)
-        reduced.check(window.where, window.detail)
+        if not (reduced.clean() and window.healthy(reduced)):  # the common case told from a few slots
+            if reduced.in_step() and not window.healthy(reduced):
+                diagnosis, length = window.diagnosis(), float(window.length)
+                values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length},
+                                diagnosis.check_slots(), frozenset(window.flags), diagnosis.flags())
+                window.channel.reduce(Kind.DIAGNOSIS, values).check(window.where, window.detail)
+            reduced.check(window.where, window.detail)
         return Result(reduced, float(local), window.length)
 
 

@@ -147,7 +147,7 @@ class TokenMeanStrategy(ParallelStrategy):
         super().on_train_batch_start(batch, batch_idx)
         fit = self._normalizing()
         if fit is not None and fit.epochs.current is not None:  # after the module's hook, whose -1 ends the epoch here
-            fit.epochs.current.started(_lightning.epoch_position(fit.trainer) - 1)
+            fit.epochs.current.started(_lightning.batch_position(fit.trainer))
 
     @override
     def on_train_end(self) -> None:
