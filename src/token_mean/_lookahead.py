@@ -12,6 +12,7 @@ after the loader (``on_after_batch_transfer``) is an error before the update, no
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
@@ -52,9 +53,9 @@ class Lookahead(WindowMode):
             entries = epoch.entries(start, stop)
             local, host = self.announce(entries, tally)
             reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(tally.flags)))
-            where = tally.where_until(start + len(entries))
-            reduced.check(where, tally.detail)
-            counts = self.accept(reduced, start + len(entries), local, tally, where)
+            stop = start + len(entries)
+            reduced.check(tally.where_until(stop), tally.detail)
+            counts = self.accept(reduced, stop, local, tally, lambda: tally.where_until(stop))
         return _LookaheadWindow(self, epoch, tally, counts)
 
     def announce(self, entries: list[Entry], tally: Tally) -> tuple[list[float], dict[Slot, float]]:
@@ -76,7 +77,8 @@ class Lookahead(WindowMode):
         real = float(sum(not entry.filler for entry in entries))
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
-    def accept(self, reduced: Reduced, stop: int, local: list[float], tally: Tally, where: str) -> _Counts:
+    def accept(self, reduced: Reduced, stop: int, local: list[float], tally: Tally,
+               where: Callable[[], str]) -> _Counts:
         """The announced counts of the window ``where`` that ends at ``stop`` (the record's problems raised already,
         ``tally`` the window whose record brought them), raising an N that cannot normalize before its use."""
         global_count = reduced[Slot.NEXT_COUNT]
@@ -166,7 +168,8 @@ class _LookaheadWindow(Window):
         counts, reduced = self.counts, result.reduced
         # the next window's counts arrived with this window's record: every problem is raised before this update
         stop = counts.stop + len(self._next_local)
-        self.next_counts = self.mode.accept(reduced, stop, self._next_local, self.tally, self.tally.where_next(stop))
+        self.next_counts = self.mode.accept(reduced, stop, self._next_local, self.tally,
+                                            lambda: self.tally.where_next(stop))
         aux = reduced[Slot.AUX_SUM] / counts.real if self.tally.has_aux and counts.real else None
         stats = result.stats(counts.global_count, self.mode.name, aux)
         return self._finished(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0)

@@ -13,9 +13,10 @@ for them (:class:`~token_mean.DenominatorMonitor` does).
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import Enum, IntEnum
-from typing import Any
+from types import MappingProxyType
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -106,18 +107,21 @@ class World:
         return World(size=1, rank=0, device=device or torch.device("cpu"))
 
 
-@dataclass(frozen=True)
-class Values:
+class Values(NamedTuple):
     """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here).
 
     ``flags`` are host-side problems; ``device_flags`` problems decided on the device (true or false; a problem given
-    twice is raised when either is).
+    twice is raised when either is). A tuple: made once or twice per window, where a frozen dataclass's ``__init__``
+    costs several times as much host time.
     """
 
-    host: Mapping[Slot, float] = field(default_factory=dict)
+    host: Mapping[Slot, float] = MappingProxyType({})
     device: Sequence[tuple[Slot, Tensor]] = ()
     flags: frozenset[Problem] = frozenset()
     device_flags: Sequence[tuple[Problem, Tensor]] = ()
+
+
+_NO_VALUES = Values()
 
 
 class Channel:
@@ -138,7 +142,7 @@ class Channel:
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
 
-    def record(self, kind: Kind, values: Values = Values()) -> Tensor:
+    def record(self, kind: Kind, values: Values = _NO_VALUES) -> Tensor:
         """This rank's record for a collective of ``kind``: one host-to-device copy of the host values, and one
         ``index_add`` of the device values (a handful of kernels, whatever the number of values)."""
         world = self.world
@@ -180,11 +184,11 @@ class Channel:
             index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
         return index
 
-    def start(self, kind: Kind, values: Values = Values()) -> Exchange:
+    def start(self, kind: Kind, values: Values = _NO_VALUES) -> Exchange:
         """Start the collective without waiting for it."""
         return self._exchange(kind, values, dist.ReduceOp.SUM if dist.is_available() else None)
 
-    def reduce(self, kind: Kind, values: Values = Values(), op: Any = None) -> Reduced:
+    def reduce(self, kind: Kind, values: Values = _NO_VALUES, op: Any = None) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
         reduced = self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
         if op is None and self._on_out_of_step is not None and not reduced.in_step():

@@ -11,9 +11,9 @@ rank raised a problem. Everything per micro-batch stays on the device, detached,
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -241,9 +241,10 @@ class Tally:
     def healthy(self, reduced: Reduced) -> bool:
         """Whether the summed record shows no problem of the device values (a non-finite sum, a bad count, a check
         that differs): then no rank had one."""
-        counted = math.isfinite(reduced[Slot.COUNT]) and reduced[Slot.BAD_COUNTS] == 0
-        losses = not self._judge_losses or math.isfinite(reduced[Slot.LOSS_SUM])
-        return counted and losses and math.isfinite(reduced[Slot.AUX_SUM]) and reduced[Slot.DIFFERENT] == 0
+        values = reduced.values
+        counted = math.isfinite(values[Slot.COUNT]) and values[Slot.BAD_COUNTS] == 0
+        losses = not self._judge_losses or math.isfinite(values[Slot.LOSS_SUM])
+        return counted and losses and math.isfinite(values[Slot.AUX_SUM]) and values[Slot.DIFFERENT] == 0
 
     def diagnosis(self) -> Diagnosis:
         """Which device problems this rank had (what a diagnosis, or the replicas of a tensor-parallel group,
@@ -372,8 +373,7 @@ class Closing:
         return Result(reduced, float(local), window.length)
 
 
-@dataclass(frozen=True)
-class Result:
+class Result(NamedTuple):
     """What a window's exchange brought back, every problem already raised."""
 
     reduced: Reduced
@@ -393,13 +393,15 @@ class Result:
         )
 
 
-def check_global_count(global_count: float, numerator: float, where: str, detail: str, rank: int) -> None:
-    """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize ``where``:
-    N itself, or ``numerator / N`` (the largest factor the mode makes of it), is not finite."""
+def check_global_count(global_count: float, numerator: float, where: Callable[[], str], detail: str,
+                       rank: int) -> None:
+    """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize the window
+    ``where()`` names (asked only then): N itself, or ``numerator / N`` (the largest factor the mode makes of it),
+    is not finite."""
     if math.isfinite(global_count) and math.isfinite(scale_of(numerator, global_count)):
         return
     lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
-    raise_lines(lines, where, detail, rank)
+    raise_lines(lines, where(), detail, rank)
 
 
 def scale_of(numerator: float, count: float) -> float:
