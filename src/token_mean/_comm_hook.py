@@ -30,6 +30,6 @@ def scaled_allreduce_hook(
         assert work is not None
     else:
         buffer.mul_(factor)
-        work = _torch.sum_all_reduce(group, buffer)
+        work = _torch.start_all_reduce(group, buffer)
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda done: done.value()[0])
     return future

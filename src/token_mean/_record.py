@@ -213,7 +213,7 @@ class Exchange:
         self.kind = kind
         self.record = record
         self.world = world
-        self._work = dist.all_reduce(record, op=op, group=world.group, async_op=True) if world.distributed else None
+        self._work = _torch.start_all_reduce(world.group, record, op) if world.distributed else None
 
     def wait(self) -> Tensor:
         if self._work is not None:

@@ -118,14 +118,20 @@ def norms(tensors: list[Tensor], dtype: torch.dtype | None) -> tuple[Tensor, ...
     return tuple(torch._foreach_norm(tensors, 2) if dtype is None else torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
-def sum_all_reduce(group: Any, tensor: Tensor) -> Any:
-    """Start a SUM all-reduce of ``tensor`` over ``group`` (a ``ProcessGroup``) and return its work, without the
-    Python checks of ``dist.all_reduce`` (tens of microseconds a call: deferred's comm hook calls it per bucket).
+def start_all_reduce(group: Any, tensor: Tensor, op: Any = None) -> Any:
+    """Start an all-reduce of ``tensor`` (SUM unless ``op``) over ``group`` (a ``ProcessGroup``; None: the default
+    group) and return its work, without the Python checks of ``dist.all_reduce`` (tens of microseconds a call: the
+    window's record and deferred's comm hook, per bucket, start one).
 
     Relies on: ``ProcessGroup.allreduce(list[Tensor], AllreduceOptions)`` starts the collective (what
-    ``dist.all_reduce`` calls after its checks), SUM by default.
+    ``dist.all_reduce`` calls after its checks, with ``asyncOp`` True by default); ``dist.group.WORLD`` is the
+    default group.
     """
-    return group.allreduce([tensor], dist.AllreduceOptions())
+    options = dist.AllreduceOptions()
+    if op is not None:
+        options.reduceOp = op
+    target: Any = dist.group.WORLD if group is None else group  # WORLD is typed Optional: set once initialized
+    return target.allreduce([tensor], options)
 
 
 def premul_sum(factor: Tensor) -> Any:
@@ -227,6 +233,7 @@ __all__ = [
     "rebuild_ddp_buckets",
     "shadow_ddp_backward",
     "spans",
+    "start_all_reduce",
     "to_device",
     "version",
     "versions",
