@@ -231,7 +231,8 @@ class Reader:
 
     def entry(self, position: int) -> Entry:
         """The entry at ``position``, reading ahead to it if needed; earlier entries are dropped."""
-        self.read_ahead(position + 1)
+        if self._position + len(self._held) <= position:  # not held yet (lookahead holds it already)
+            self.read_ahead(position + 1)
         while self._entries and self._entries[0].position < position:
             self._entries.popleft()
         if not self._entries or self._entries[0].position != position:
