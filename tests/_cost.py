@@ -216,6 +216,20 @@ class Tallies:
         (self.directory / f"rank{rank}.json").write_text(json.dumps(record))
 
 
+def collectives_issued(directory: Path, function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, Tally]:
+    """``function(*args, **kwargs)``'s result, and the c10d collectives it dispatched on this thread (gradient
+    all-reduces in a backward included), by name."""
+    counter = Tallies(directory)
+    counter.start()
+    try:
+        result = function(*args, **kwargs)
+    finally:
+        counter.stop()
+    issued = collections.Counter({name: count for tally in counter.cycles.values() for name, count in tally.items()
+                                  if name.startswith(("collective:", "gradient:"))})
+    return result, issued
+
+
 class CostCounter(Tallies, Callback):
     """The Trainer's cycles: from the strategy's ``training_step`` of one micro-batch to that of the next; each rank
     writes ``rank{r}.json`` at teardown."""

@@ -16,9 +16,11 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 from _harness import (
     IGNORE_INDEX,
+    SHORT_TIMEOUT,
     Batch,
     ListDataset,
     StreamDataset,
@@ -26,6 +28,7 @@ from _harness import (
     initial_state,
     lightning_steps,
     make_optimizer,
+    ragged_batches,
     reference_steps,
 )
 from lightning.fabric import Fabric
@@ -101,6 +104,36 @@ def fabric_for(layout: str, devices: int = 2, tensor_parallel: int = 1) -> Fabri
     else:
         strategy = forked_model_parallel(devices // tensor_parallel, tensor_parallel)
     return Fabric(accelerator="cpu", devices=devices, strategy=strategy)
+
+
+def forked_ranks() -> Fabric:
+    """Two forked gloo processes whose collectives time out after 15 s (a rank left alone fails, not the suite)."""
+    strategy = DDPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, **GLOO)
+    return Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+
+def every_rank(result: Any) -> list[Any]:
+    """Every rank's ``result`` (small picklable values), in rank order, over the default group."""
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, result)
+    return gathered
+
+
+def subgroups(fabric: Fabric) -> dict[str, Any]:
+    """A process group of this rank alone, and one of both ranks (another object than the default group). Every rank
+    creates every group in the same order: ``new_group`` is a collective over the default group."""
+    alone = [dist.new_group([rank]) for rank in range(fabric.world_size)]
+    return {"own": alone[fabric.global_rank], "both": dist.new_group(list(range(fabric.world_size)))}
+
+
+def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
+    """Ragged per-rank batches of at least two positions (a shifted loss needs one target position)."""
+    data = ragged_batches(ranks, batches, seed=seed)
+    for rank in data:
+        for index, batch in enumerate(rank):
+            if batch["x"].shape[1] < 2:
+                rank[index] = {key: value.repeat(1, 2, *([1] * (value.dim() - 2))) for key, value in batch.items()}
+    return data
 
 
 def data_rank(fabric: Fabric) -> int:

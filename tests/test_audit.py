@@ -531,6 +531,76 @@ def test_fabric_accumulator_is_never_flagged_and_unchanged(mode: str) -> None:
     assert_unchanged(on["params"], off["params"])
 
 
+FABRIC_LOOPS = ("lookahead", "deferred", "plain")
+"""The accumulator's loop in each mode (K = 3), and LitGPT's with K = 1 (each micro-batch is its own window: its mean
+loss is the window's token mean, so the audit passes; the monitor alone finds the ranks that share N)."""
+
+
+def loop_audits(fabric: Any, data: list[list[Batch]], loop: str) -> list[dict[str, Any]]:
+    """Every window of ``loop`` (:data:`FABRIC_LOOPS`) audited: the audits."""
+    if loop == "plain":
+        return litgpt_loop_audited(fabric, data, 1)
+    return list(accumulator_audited(fabric, data, loop, 1)["audits"])
+
+
+def assert_passed(audits: list[dict[str, Any]], windows: int, rank: int) -> None:
+    assert len(audits) == windows, f"rank {rank}: {audits}"
+    for audit in map(lambda a: Audit(**a), audits):
+        assert audit.passed and (audit.error is None or audit.error < NEVER_FLAGGED), f"rank {rank}: {audits}"
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize("loop", FABRIC_LOOPS)
+def test_fabric_one_device_audit_in_a_process_with_a_default_group(loop: str, tmp_path: Path) -> None:
+    """Two processes with a gloo default group (launched for other reasons) each audit their own run on one device,
+    on their own data and windows (7 and 5 micro-batches): every audit passes and none issues a collective. The
+    default group's ranks share no denominator; an audit reducing over them compares each rank's gradient with that
+    of both ranks' windows (a false failure), or waits in a window only one of them audits (the group's 15 s)."""
+    from _fabric import forked_ranks, launched, ragged
+
+    data = ragged(2, 7, seed=251)
+    data[1] = data[1][:5]
+    results = launched(forked_ranks(), _audited_alone, data, loop, tmp_path)
+    for rank, (audits, collectives) in enumerate(results):
+        assert_passed(audits, len(windows_of(len(data[rank]), 1 if loop == "plain" else 3)), rank)
+        assert collectives == {}, f"rank {rank} issued collectives: {collectives}"
+
+
+def _audited_alone(fabric: Any, data: list[list[Batch]], loop: str, directory: Path) -> list[Any]:
+    from _cost import collectives_issued
+    from _fabric import every_rank
+    from lightning.fabric import Fabric
+
+    own = [data[fabric.global_rank]]
+    audits, collectives = collectives_issued(directory, loop_audits, Fabric(accelerator="cpu", devices=1), own, loop)
+    return every_rank((audits, dict(collectives)))
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+@pytest.mark.parametrize(("group", "loop"), [*(("own", loop) for loop in FABRIC_LOOPS), ("both", "lookahead"),
+                                             ("both", "deferred")])
+def test_fabric_ddp_audit_over_its_process_group(group: str, loop: str) -> None:
+    """Fabric's DDP over a process group of this rank alone (``_ddp_kwargs["process_group"]``): the audit adds up
+    counts and gradients over DDP's group, as the update does, and passes on every rank (an audit over the default
+    group compares each rank's own gradient with that of both ranks' windows). Over a group of both ranks (another
+    object than the default group), the audit runs over that group."""
+    from _fabric import forked_ranks, launched, ragged
+
+    data = ragged(2, 7, seed=252)
+    results = launched(forked_ranks(), _audited_in_group, data, group, loop)
+    for rank, audits in enumerate(results):
+        assert_passed(audits, len(windows_of(7, 1 if loop == "plain" else 3)), rank)
+
+
+def _audited_in_group(fabric: Any, data: list[list[Batch]], group: str, loop: str) -> list[Any]:
+    from _fabric import every_rank, subgroups
+
+    fabric.strategy._ddp_kwargs["process_group"] = subgroups(fabric)[group]  # read as `fabric.setup` wraps the model
+    return every_rank(loop_audits(fabric, data, loop))
+
+
 def test_fabric_monitor_needs_the_loss() -> None:
     from token_mean.fabric import FabricMonitor
 

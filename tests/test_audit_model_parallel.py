@@ -182,6 +182,7 @@ def test_sharded_model_without_a_data_parallel_mesh_is_refused(tmp_path: Path) -
     from torch.distributed.fsdp import fully_shard
 
     from token_mean._audit import Auditor, AuditSchedule, Objective
+    from token_mean._record import World
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
@@ -193,5 +194,5 @@ def test_sharded_model_without_a_data_parallel_mesh_is_refused(tmp_path: Path) -
         r" tensor parallelism\) and the run has no device mesh with a 'data_parallel' dimension .* run it under"
         r" `ModelParallelStrategy`\. Remove `audit_every`"
     )):
-        auditor.prepare(net, objective)
-    auditor.prepare(net, objective, mesh=mesh)  # with Lightning's mesh: accepted
+        auditor.prepare(net, objective, World.single())
+    auditor.prepare(net, objective, World.single(), mesh=mesh)  # with Lightning's mesh: accepted

@@ -12,12 +12,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch.distributed as dist
-from _cost import Tallies
-from _fabric import GLOO, accumulator_loop, fabric_for, launched, plain_loop, reference
-from _harness import EXACT, MODES, SHORT_TIMEOUT, Batch, TokenNet, empty_like, ragged_batches, relative_error
+from _cost import collectives_issued
+from _fabric import (
+    accumulator_loop,
+    every_rank,
+    fabric_for,
+    forked_ranks,
+    launched,
+    plain_loop,
+    ragged,
+    reference,
+    subgroups,
+)
+from _harness import EXACT, MODES, Batch, TokenNet, empty_like, relative_error
 from lightning.fabric import Fabric
-from lightning.fabric.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
 
 from token_mean import _ddp
@@ -27,16 +35,6 @@ MISSES = 1e-6
 # (layout, devices, tensor-parallel size): DDP, FSDP2 alone (DP = 2), FSDP2 × TP on a 2 × 2 mesh
 LAYOUTS = [("ddp", 2, 1), ("fsdp", 2, 1), ("fsdp", 4, 2)]
 LAYOUT_IDS = ["ddp", "fsdp2", "fsdp2xtp"]
-
-
-def ragged(ranks: int, batches: int, seed: int) -> list[list[Batch]]:
-    """Ragged per-rank batches of at least two positions (a shifted loss needs one target position)."""
-    data = ragged_batches(ranks, batches, seed=seed)
-    for rank in data:
-        for index, batch in enumerate(rank):
-            if batch["x"].shape[1] < 2:
-                rank[index] = {key: value.repeat(1, 2, *([1] * (value.dim() - 2))) for key, value in batch.items()}
-    return data
 
 
 @pytest.mark.distributed
@@ -88,19 +86,6 @@ def test_uneven_ranks_are_padded_with_fillers(layout: str, mode: str) -> None:
     assert relative_error(params, expected) < EXACT
 
 
-def forked_ranks() -> Fabric:
-    """Two forked gloo processes whose collectives time out after 15 s (a rank left alone fails, not the suite)."""
-    strategy = DDPStrategy(start_method="fork", timeout=SHORT_TIMEOUT, **GLOO)
-    return Fabric(accelerator="cpu", devices=2, strategy=strategy)
-
-
-def every_rank(result: Any) -> list[Any]:
-    """Every rank's ``result`` (small picklable values), in rank order, over the default group."""
-    gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, result)
-    return gathered
-
-
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
@@ -117,23 +102,10 @@ def test_one_device_in_a_process_with_a_default_group(mode: str, tmp_path: Path)
 
 def _alone_on_one_device(fabric: Fabric, data: list[list[Batch]], mode: str, directory: Path) -> list[Any]:
     own = [data[fabric.global_rank]]
-    counter = Tallies(directory)  # every c10d collective dispatched on this thread, from here to `stop`
-    counter.start()
-    try:
-        params = accumulator_loop(Fabric(accelerator="cpu", devices=1), own, 3, mode)
-    finally:
-        counter.stop()
-    collectives = {name: count for tally in counter.cycles.values() for name, count in tally.items()
-                   if name.startswith(("collective:", "gradient:"))}
+    params, collectives = collectives_issued(directory, accumulator_loop, Fabric(accelerator="cpu", devices=1), own, 3,
+                                             mode)
     expected, _ = reference(own, 3)
-    return every_rank((relative_error(params, expected), collectives))
-
-
-def subgroups(fabric: Fabric) -> dict[str, Any]:
-    """A process group of this rank alone, and one of both ranks (another object than the default group). Every rank
-    creates every group in the same order: ``new_group`` is a collective over the default group."""
-    alone = [dist.new_group([rank]) for rank in range(fabric.world_size)]
-    return {"own": alone[fabric.global_rank], "both": dist.new_group(list(range(fabric.world_size)))}
+    return every_rank((relative_error(params, expected), dict(collectives)))
 
 
 @pytest.mark.distributed

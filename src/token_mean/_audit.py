@@ -21,9 +21,11 @@ flat buffer, one unsharded gradient's worth. Each rank then compares the part of
 error is that of the whole gradient.
 
 Collectives, at an audited window only: one all-reduce of three floats (N, the real micro-batches, a bad count) over
-the data-parallel ranks, one of the flat buffer (per dtype) over them, and one of the error (a MAX of two floats; for
-a sharded module a SUM of six, over every rank); a sharded module's replay also runs the all-gathers and
-tensor-parallel collectives of a forward and backward per micro-batch. Nothing runs at a window that is not audited.
+the ranks that share the denominator (the layout's :class:`~token_mean._record.World`: DDP's process group, a device
+mesh's data-parallel ranks; none for one device, whatever default group the process may have), one of the flat
+buffer (per dtype) over them, and one of the error (a MAX of two floats; for a sharded module a SUM of six, over every
+rank); a sharded module's replay also runs the all-gathers and tensor-parallel collectives of a forward and backward
+per micro-batch. Nothing runs at a window that is not audited.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from torch import Tensor, nn
 
 from token_mean import _torch
 from token_mean._counting import CountFn, read_count
+from token_mean._record import World
 from token_mean.errors import AuditError
 from token_mean.results import Audit
 
@@ -172,38 +175,23 @@ def refusal(module: nn.Module, mesh: Any = None) -> str | None:
     return None
 
 
-def data_parallel_group(mesh: Any) -> Any:
-    """The process group of the mesh's 'data_parallel' dimension (Lightning's ``ModelParallelStrategy`` meshes:
-    its ranks read different batches, the tensor-parallel ones the same); None without such a mesh (the default
-    group)."""
-    if "data_parallel" not in _dimension_names(mesh):
-        return None
-    return mesh["data_parallel"].get_group()
-
-
 def _dimension_names(mesh: Any) -> tuple[str, ...]:
     return tuple(getattr(mesh, "mesh_dim_names", None) or ())
 
 
 def objective_error(
-    module: nn.Module,
-    micro_batches: Sequence[MicroBatch],
-    objective: Objective,
-    group: Any = None,
-    device: torch.device | None = None,
+    module: nn.Module, micro_batches: Sequence[MicroBatch], objective: Objective, world: World
 ) -> Replayed:
     """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's); None when N = 0 on every rank. Leaves
     ``.grad``, the buffers and the RNG streams as they were.
 
-    ``group`` holds the data-parallel ranks, whose counts and replayed gradients add up (the default group when
-    distributed). A module with plain parameters (one device, DDP) gives the largest error over the ranks of
-    ``group``; a sharded one (FSDP2, tensor parallelism: see :func:`_sharded_replay`) the error of the whole gradient,
-    every rank's shards together. Every rank of ``group`` (when sharded, of the default group) must call it for the
-    same window."""
+    ``world`` holds the ranks that share the denominator, as the run's layout has them: their counts and replayed
+    gradients add up over ``world.group`` (no collective when it is not ``distributed``). A module with plain
+    parameters (one device, DDP) gives the largest error over those ranks; a sharded one (FSDP2, tensor parallelism:
+    see :func:`_sharded_replay`) the error of the whole gradient, every rank's shards together. Every rank of
+    ``world`` (when sharded, of the default group) must call it for the same window."""
     parameters = audited_parameters(module)
-    if device is None:
-        device = parameters[0][1].device if parameters else torch.device("cpu")
-    distributed = dist.is_available() and dist.is_initialized()
+    device, group, distributed = world.device, world.group, world.distributed
     read = [(0.0, None, "") if mb.filler else read_count(objective.count_fn, mb.batch) for mb in micro_batches]
     counts = [count for count, _, _ in read]
     problems = [f"{problem.what} ({detail})" for _, problem, detail in read if problem is not None]
@@ -233,8 +221,8 @@ def objective_error(
         for flat in buffers.values():
             dist.all_reduce(flat, group=group)
     expected = _views(slots, buffers)
-    if sharded:
-        return _sharded_error(parameters, used, expected, dtypes, device, distributed)
+    if sharded:  # its shards lie on every rank of the mesh, the tensor-parallel ones too: the default group's
+        return _sharded_error(parameters, used, expected, dtypes, device, dist.is_initialized())
     order = float(PRECISION_ORDER.index(least_precise(dtypes)))
     relative = _relative_error(parameters, expected, device)
     error = torch.stack([relative, torch.tensor(order, dtype=torch.float64, device=device)])
@@ -558,7 +546,7 @@ class Auditor:
         self.audits: list[Audit] = []
         self._objective: Objective | None = None
         self._precision: str | None = None
-        self._group: Any = None  # the data-parallel ranks (None: the default group)
+        self._world = World.single()  # the ranks that share the denominator, from `prepare`
         self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
         self._done = False  # the window's audit ran
         self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
@@ -567,11 +555,13 @@ class Auditor:
     def enabled(self) -> bool:
         return self._schedule.enabled
 
-    def prepare(self, module: nn.Module, objective: Objective | None, precision: str | None = None,
+    def prepare(self, module: nn.Module, objective: Objective | None, world: World, precision: str | None = None,
                 mesh: Any = None) -> None:
-        """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it. ``mesh``: the
-        run's device mesh (default: ``module.device_mesh``, a ``LightningModule``'s under ``ModelParallelStrategy``),
-        whose 'data_parallel' dimension holds the ranks whose items add up."""
+        """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it. ``world``: the
+        ranks that share the denominator, as the run's layout has them (its collectives run over them alone; the
+        device its tensors live on). ``mesh``: the run's device mesh (default: ``module.device_mesh``, a
+        ``LightningModule``'s under ``ModelParallelStrategy``), without whose 'data_parallel' dimension a sharded
+        module cannot be audited."""
         if not self._schedule.enabled or objective is None:
             return
         if mesh is None:
@@ -582,7 +572,7 @@ class Auditor:
                 f"`{self._front_end}(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
                 " `audit_every` (docs/audit.md, \"Limits\")."
             )
-        self._objective, self._precision, self._group = objective, precision, data_parallel_group(mesh)
+        self._objective, self._precision, self._world = objective, precision, world
         dtype = least_precise([p.dtype for p in module.parameters()])
         self._skipped_tolerance = self._schedule.tolerance_for(dtype, precision)
 
@@ -605,13 +595,13 @@ class Auditor:
         if self._recorded:
             self._recorded[-1] = replace(self._recorded[-1], filler=True)
 
-    def audit(self, module: nn.Module, window: int, device: torch.device, unseen: Callable[[], str]) -> Audit | None:
-        """After the window's last backward: its audit (None if it is not audited); every rank of the group must
+    def audit(self, module: nn.Module, window: int, unseen: Callable[[], str]) -> Audit | None:
+        """After the window's last backward: its audit (None if it is not audited); every rank of the world must
         call it. A failure raises, warns or logs as the schedule says, naming ``unseen()``."""
         if self._recorded is None or self._done or self._objective is None:
             return None
         self._done = True
-        replayed = objective_error(module, self._recorded, self._objective, self._group, device)
+        replayed = objective_error(module, self._recorded, self._objective, self._world)
         tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
         error = replayed.error
         audit = Audit(window, error, tolerance, error is None or error <= tolerance)
@@ -660,15 +650,15 @@ class FabricAuditing:
         self._loss = loss
         self._count_fn, self._loss_reduction, self._aux = count_fn, loss_reduction, False
         self._module: nn.Module | None = None  # the unwrapped module, once attached
-        self._device = torch.device("cpu")
         self._open = False  # a window's first micro-batch was recorded
         self._windows = 0
 
     def attach(self, model: Any, count_fn: CountFn | None = None, loss_reduction: str | None = None,
-               aux: bool = False) -> None:
-        """The model ``fabric.setup`` returned (and the accumulator's count); a ``ValueError`` if it cannot be
-        audited."""
+               aux: bool = False, world: World | None = None) -> None:
+        """The model ``fabric.setup`` returned (and the accumulator's count and its layout's ``world``: the ranks
+        that share the denominator); a ``ValueError`` if it cannot be audited."""
         from token_mean import _lightning
+        from token_mean.fabric import loop_world
 
         if not self.auditor.enabled:
             return
@@ -676,12 +666,14 @@ class FabricAuditing:
         strategy = _lightning.fabric_strategy_of(model)
         if modules is None or strategy is None:
             raise ValueError(f"The audit needs the model `fabric.setup` returned, got {type(model).__name__}.")
-        self._module, self._device = modules[1], strategy.root_device
+        if world is None:  # a loop without the accumulator: the ranks its layout would have
+            world = loop_world(strategy, *modules)
+        self._module = modules[1]
         self._count_fn = count_fn or self._count_fn
         self._loss_reduction, self._aux = loss_reduction or self._loss_reduction, aux
         objective = Objective(self._replayed_loss, self._count_fn, self._loss_reduction, aux,
                               strategy.precision.forward_context)
-        self.auditor.prepare(self._module, objective, None, getattr(strategy, "device_mesh", None))
+        self.auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
         self.auditor.start(0)
 
     def _replayed_loss(self, module: nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
@@ -704,7 +696,7 @@ class FabricAuditing:
         window, self._windows, self._open = self._windows, self._windows + 1, False
         if self._module is None:
             return None
-        self.auditor.audit(self._module, window, self._device, lambda: unseen)
+        self.auditor.audit(self._module, window, lambda: unseen)
         return self.auditor.window_end(window)
 
 

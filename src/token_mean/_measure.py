@@ -63,7 +63,7 @@ class MeasuredWindow:
 class Windows(Protocol):
     """Where each window's numbers come from, fed by the monitor's hooks."""
 
-    def start(self, trainer: Trainer) -> None: ...
+    def start(self, trainer: Trainer, world: World) -> None: ...
     def reset(self) -> None: ...
     def add(self, trainer: Trainer, module: LightningModule, batch: Any, outputs: Any, position: int,
             step: int) -> None: ...
@@ -79,7 +79,7 @@ class Published:
         self._last: WindowStats | None = None
         self._warned = False
 
-    def start(self, trainer: Trainer) -> None:
+    def start(self, trainer: Trainer, world: World) -> None:
         self._last, self._warned = None, False
 
     def reset(self) -> None:
@@ -111,8 +111,8 @@ class Measured:
         self._channel = Channel(World.single(), rank_counts=True)
         self._window: MeasuredWindow | None = None  # the window being measured
 
-    def start(self, trainer: Trainer) -> None:
-        world = measured_world(trainer)
+    def start(self, trainer: Trainer, world: World) -> None:
+        """A fit starts; ``world``: :func:`measured_world`, the ranks whose windows are measured."""
         if world.distributed or trainer.world_size > 1:
             # the measurement's collectives run on the default group (or on DDP's own, a rank of a group of one
             # running none), which a plain strategy never destroys: a gloo group alive when the interpreter

@@ -26,7 +26,7 @@ from token_mean._audit import Auditor, AuditSchedule, MicroBatch, Objective, OnA
 from token_mean._counting import CountFn
 from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import global_norm, grad_norm
-from token_mean._measure import Measured, Published, Windows
+from token_mean._measure import Measured, Published, Windows, measured_world
 from token_mean._mode import LossReduction
 from token_mean._observe import MonitorSettings, Observer, OnDivergence
 from token_mean.results import Audit, Divergence, WindowStats
@@ -152,8 +152,9 @@ class DenominatorMonitor(Callback):
             return
         self.last_window = None
         self._reset_window()
-        self._windows.start(trainer)
-        self._auditing.prepare(pl_module, self._objective, str(trainer.precision))  # sharded after `setup`
+        world = measured_world(trainer)  # the ranks that share the denominator: the measurement's and the audit's
+        self._windows.start(trainer, world)
+        self._auditing.prepare(pl_module, self._objective, world, str(trainer.precision))  # sharded after `setup`
         self._auditing.start(trainer.global_step)
         self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
 
@@ -181,8 +182,7 @@ class DenominatorMonitor(Callback):
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         # callbacks' hooks run before the module's, and clipping after both: `.grad` is what the update would use
-        self._auditing.audit(pl_module, trainer.global_step, trainer.strategy.root_device,
-                             lambda: _unseen(pl_module, self._strategy, trainer))
+        self._auditing.audit(pl_module, trainer.global_step, lambda: _unseen(pl_module, self._strategy, trainer))
         if self._observer is not None and self._observer.fingerprints:
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 

@@ -44,6 +44,7 @@ from token_mean._exit import destroy_process_group_at_exit
 from token_mean._mode import LossReduction, MicroBatch, Mode, StepOutput
 from token_mean._progress import Progress
 from token_mean._reader import Reader
+from token_mean._record import World
 from token_mean.fabric_monitor import FabricMonitor
 from token_mean.results import WindowStats
 
@@ -176,7 +177,8 @@ class TokenMeanAccumulator:
         if fabric.world_size > 1:  # the strategy's processes, though DDP's own group may hold this rank alone
             destroy_process_group_at_exit()
         if monitor is not None:  # the audit counts as the accumulator does
-            monitor.auditing.attach(model, settings.count_fn, loss_reduction, aux=mode_name == "lookahead")
+            monitor.auditing.attach(model, settings.count_fn, loss_reduction, aux=mode_name == "lookahead",
+                                    world=self._layout.world)  # its collectives over the ranks that share N
         self._monitor: FabricMonitor | _Unmonitored = monitor or _Unmonitored()
         self._passes = _Passes(fabric, model, accumulate, self._epochs, self._monitor)
         self._last_window: WindowStats | None = None
@@ -361,29 +363,48 @@ def _checked_model(fabric: Any, model: Any, accumulate: object) -> tuple[Any, An
 
 def _layout(fabric: Any, forward: Any, original: Any) -> Layout:
     """The core's view of Fabric's strategy (the shared ``_ddp`` and ``_fsdp`` layouts)."""
-    from lightning.fabric.strategies.ddp import DDPStrategy
     from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
     from lightning.fabric.strategies.fsdp import FSDPStrategy
     from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
-    from lightning.fabric.strategies.single_device import SingleDeviceStrategy
 
-    strategy, device = fabric.strategy, fabric.device
-    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):  # before DDP: DeepSpeed's strategy derives from it
+    strategy = fabric.strategy
+    if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
         why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
                if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
         raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
+    layout = _strategy_layout(strategy, forward, original)
+    if layout is None:
+        raise ValueError(
+            f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: use one device, `DDPStrategy` or"
+            " `ModelParallelStrategy`."
+        )
+    if isinstance(strategy, ModelParallelStrategy):
+        _fsdp.check_reduction(forward, layout.world.size, "TokenMeanAccumulator")
+    return layout
+
+
+def _strategy_layout(strategy: Any, forward: Any, original: Any) -> Layout | None:
+    """The layout of one device, ``DDPStrategy`` or ``ModelParallelStrategy`` (None for any other strategy)."""
+    from lightning.fabric.strategies.ddp import DDPStrategy
+    from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
+    from lightning.fabric.strategies.model_parallel import ModelParallelStrategy
+    from lightning.fabric.strategies.single_device import SingleDeviceStrategy
+
+    device = strategy.root_device
     if isinstance(strategy, SingleDeviceStrategy):
         return _ddp.single_layout(original, device)  # a default group the user initialized is not its world
-    if isinstance(strategy, DDPStrategy):
+    if isinstance(strategy, DDPStrategy) and not isinstance(strategy, DeepSpeedStrategy):  # DeepSpeed derives from it
         return _ddp.layout(forward, device)
     if isinstance(strategy, ModelParallelStrategy):
-        layout = _fsdp.layout(forward, strategy.device_mesh, device)
-        _fsdp.check_reduction(forward, layout.world.size, "TokenMeanAccumulator")
-        return layout
-    raise ValueError(
-        f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: use one device, `DDPStrategy` or"
-        " `ModelParallelStrategy`."
-    )
+        return _fsdp.layout(forward, strategy.device_mesh, device)
+    return None
+
+
+def loop_world(strategy: Any, forward: Any, original: Any) -> World:
+    """The ranks that share the denominator of a loop without the accumulator (``FabricMonitor``'s audit): those the
+    accumulator's layout would have; under a strategy it does not support (DeepSpeed, FSDP1), the default group's."""
+    layout = _strategy_layout(strategy, forward, original)
+    return _ddp.default_world(strategy.root_device) if layout is None else layout.world
 
 
 def _reader(
