@@ -183,6 +183,64 @@ def test_single_device_measures_itself(tmp_path: Path) -> None:
     assert trainer.callbacks[0].last_window.window_length == 1  # type: ignore[attr-defined]
 
 
+class StepCounts(Callback):
+    """The N of each optimizer step, as the monitor (a callback before this one) has it after the step's batch."""
+
+    def __init__(self, monitor: DenominatorMonitor) -> None:
+        self.monitor, self.counts = monitor, []
+        self._last: object = None
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        window = self.monitor.last_window
+        if window is not None and window is not self._last:
+            self._last = window
+            self.counts.append(window.global_count)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_one_device_in_a_process_with_a_default_group(tmp_path: Path) -> None:
+    """Two processes with a gloo default group (launched for other reasons, as by ``torchrun``) each fit their own
+    model on one device (``strategy="auto"``: ``SingleDeviceStrategy``) on their own data (5 and 3 micro-batches), the
+    monitor measuring (K = 2) and auditing (K = 1) every window: each N is the process's own count, not the sum over
+    both, every audit passes, and the monitor issues no collective (a window only one process has would wait)."""
+    from _fabric import forked_ranks, launched
+
+    data = counts_data([[3, 5, 2, 7, 1], [11, 4, 9]], seed=3)
+    results = launched(forked_ranks(), _alone_on_one_device, data, tmp_path)
+    for rank, (counts, passed, collectives) in enumerate(results):
+        expected = [[n for n, _ in exact_trajectory([data[rank]], accumulate)] for accumulate in (2, 1)]
+        assert counts == expected, f"rank {rank}: N {counts}, its own counts {expected}"
+        assert passed == [True] * len(data[rank]), f"rank {rank}: audits {passed}"
+        assert collectives == {}, f"rank {rank} issued collectives: {collectives}"
+
+
+def _alone_on_one_device(fabric: Any, data: list[list[Any]], directory: Path) -> list[Any]:
+    from _cost import collectives_issued
+    from _fabric import every_rank
+
+    own = [data[fabric.global_rank]]
+    (counts, passed), collectives = collectives_issued(directory, _fits, own, directory / str(fabric.global_rank))
+    return every_rank((counts, passed, dict(collectives)))
+
+
+def _fits(own: list[list[Any]], directory: Path) -> tuple[list[list[float]], list[bool]]:
+    """A fit measured with K = 2, then one audited with K = 1 (each window its own token mean): their Ns, the audits."""
+    from lightning.pytorch.strategies import SingleDeviceStrategy
+
+    counts, passed = [], []
+    for accumulate, audit_every in ((2, None), (1, 1)):
+        monitor = DenominatorMonitor(audit_every=audit_every, on_audit_failure="raise")
+        steps = StepCounts(monitor)
+        trainer = trainer_for(directory / str(accumulate), accumulate_grad_batches=accumulate, logger=False,
+                              callbacks=[monitor, steps])
+        assert isinstance(trainer.strategy, SingleDeviceStrategy), trainer.strategy
+        trainer.fit(TokenModule(own))
+        counts.append(steps.counts)
+        passed += [audit.passed for audit in monitor.audits]
+    return counts, passed
+
+
 class MetricSteps(Logger):
     """An in-memory logger: the steps at which the monitor's metrics arrived (one process, so readable after fit)."""
 

@@ -47,15 +47,22 @@ def group_world(group: Any, device: torch.device) -> World:
     return World(size, dist.get_rank(group), device, group=group, distributed=True)
 
 
-def layout(model: Module, device: torch.device) -> Layout:
-    """The core's view of ``model`` wrapped in DDP (every rank holds its own batch; the ranks of DDP's process group
-    share the denominator), or of a model no strategy wrapped (the default group's ranks, one process without one:
-    FSDP1 and DeepSpeed reduce over the default group)."""
+def model_world(model: Module, device: torch.device) -> World:
+    """The ranks that share ``model``'s denominator: those of DDP's process group for a DDP-wrapped model, the
+    default group's for a model no strategy wrapped (one process without one: FSDP1 and DeepSpeed reduce over it)."""
     if not isinstance(model, DistributedDataParallel):
-        return _unwrapped(model, default_world(device))
+        return default_world(device)
     # the group DDP reduces the gradients over (`DDPStrategy(process_group=...)` passes one through), not the
     # default group: the counts must add up over the ranks whose gradients add up
-    world = group_world(model.process_group, device)
+    return group_world(model.process_group, device)
+
+
+def layout(model: Module, device: torch.device) -> Layout:
+    """The core's view of ``model`` wrapped in DDP (every rank holds its own batch; the ranks of DDP's process group
+    share the denominator), or of a model no strategy wrapped (over :func:`model_world`)."""
+    world = model_world(model, device)
+    if not isinstance(model, DistributedDataParallel):
+        return _unwrapped(model, world)
     return Layout(world, lambda: InReduction(model), [UnreducedParameters(model)], ShadowBackward(model),
                   lambda: _torch.rebuild_ddp_buckets(model),
                   lambda: (model.require_forward_param_sync,))  # what the forward prepared the backward for
@@ -169,6 +176,7 @@ __all__ = [
     "default_world",
     "group_world",
     "layout",
+    "model_world",
     "single_layout",
     "stand_in_loss",
 ]

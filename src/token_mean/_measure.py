@@ -137,15 +137,20 @@ class Measured:
 
 
 def measured_world(trainer: Trainer) -> World:
-    """The ranks whose windows the monitor measures itself: the layout's (a device mesh's data-parallel ranks share
-    the denominator; its tensor-parallel ones train on the same batches)."""
-    from lightning.pytorch.strategies import ModelParallelStrategy
+    """The ranks that share the denominator, whose windows the monitor measures and audits: the layouts' worlds.
+
+    One device trains alone, whatever default process group its process may have (independent processes launched
+    by ``torchrun`` for other reasons: their sum would be no run's N); DDP's ranks are those of its process group; a
+    device mesh's data-parallel ranks (its tensor-parallel ones train on the same batches); any other strategy's
+    (FSDP1, DeepSpeed) the default group's."""
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
 
     strategy, device = trainer.strategy, trainer.strategy.root_device
-    model = strategy.model if strategy.model is not None else trainer.lightning_module
+    if isinstance(strategy, SingleDeviceStrategy):
+        return World.single(device)
     if isinstance(strategy, ModelParallelStrategy):
-        return _fsdp.layout(model, strategy.device_mesh, device).world
-    return _ddp.layout(model, device).world
+        return _fsdp.mesh_world(strategy.device_mesh, device)
+    return _ddp.model_world(strategy.model if strategy.model is not None else trainer.lightning_module, device)
 
 
 __all__ = ["Measured", "MeasuredWindow", "Published", "Windows", "measured_world"]
