@@ -330,6 +330,10 @@ class Profile:
     top_callees: list[dict[str, Any]] = field(default_factory=list)  # non-package callees of package frames
     # Lightning's and torch's work per window, package frames within included: the delegated calls grow too
     lightning_us_per_window: dict[str, float] = field(default_factory=dict)
+    # Python-level calls per window that cProfile saw (every function, and those of package frames): unlike the
+    # times, the same in every run of the same code, so they track the package's host work where timing is noise
+    calls_per_window: float = 0.0
+    package_calls_per_window: float = 0.0
     own_us_per_window_all: list[float] = field(default_factory=list)  # every profiled fit of this method and K
     profiled_seconds_per_step_all: list[float] = field(default_factory=list)
 
@@ -384,6 +388,8 @@ def attribute(method: str, accumulate: int, stats: pstats.Stats, classifier: Ent
     raw: dict[Label, Any] = stats.stats  # type: ignore[attr-defined]
     per_window = 1e6 / windows
     profile = Profile(method, accumulate, windows, stats.wall_per_step)  # type: ignore[attr-defined]
+    profile.calls_per_window = stats.total_calls / windows  # type: ignore[attr-defined]
+    profile.package_calls_per_window = sum(calls for key, (_, calls, *_) in raw.items() if is_package(key)) / windows
     own = delegated_total = nested = unclassified = python = 0.0
     entries: dict[str, float] = defaultdict(float)
     for callee, (_, _, self_time, _, callers) in raw.items():
@@ -567,10 +573,13 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
             f"**{p.own_us_per_window:.0f}**", f"{p.own_us_per_window / p.accumulate:.0f}",
             f"{p.python_us_per_window:.0f}", f"{p.callees_us_per_window:.0f}", f"{hook:.0f}",
             f"{split[p.method]['fixed_us_per_window']:.0f} + {split[p.method]['us_per_micro_batch']:.0f}·K",
+            f"+{p.calls_per_window - by_key[('plain', p.accumulate)].calls_per_window:.0f}"
+            f" ({p.package_calls_per_window:.0f})",
         ])
     profile_headers = ["mode", "K", "timed: mode − plain µs/step (median)", "profiled: mode − plain",
                        "own µs/window", "own µs/micro-batch", "of which Python (self)", "callees",
-                       "comm hook (incl.)", "fit: fixed + per micro-batch"]
+                       "comm hook (incl.)", "fit: fixed + per micro-batch",
+                       "Python calls / window vs plain (package frames)"]
     callee_names = list(dict.fromkeys(c["callee"] for p in profiles if p.method != "plain" for c in p.top_callees[:6]))
     module_names = list(dict.fromkeys(name for p in profiles for name in p.modules))
     modes = [p for p in profiles if p.method != "plain"]
@@ -606,7 +615,9 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         " minus the delegated work plain DDP does too (Lightning's training_step, backward, optimizer step and"
         " closure, the loader's next); Python = self time of package frames; callees = torch ops and other"
         " non-package calls they make; comm hook = deferred's DDP hook with the bucket all-reduce it issues. cProfile"
-        " inflates these (compare the timed and profiled mode − plain columns): read them as shares.",
+        " inflates these (compare the timed and profiled mode − plain columns): read them as shares. The calls are"
+        " exact counts (the same in every run of the same code): the Python-level calls per window the mode adds to"
+        " plain DDP's, and how many of them are package frames.",
         markdown_table(profile_headers, profile_rows),
         markdown_table(module_headers, module_rows),
         markdown_table(callee_headers, callee_rows),
