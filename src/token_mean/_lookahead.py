@@ -60,8 +60,9 @@ class Lookahead(WindowMode):
 
     def announce(self, entries: list[Entry], tally: Tally) -> tuple[list[float], dict[Slot, float]]:
         """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``tally``."""
-        local = []
+        local, real = [], 0.0
         for entry in entries:
+            real += not entry.filler
             if entry.aliased:
                 tally.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch"
                            " held before it")
@@ -74,7 +75,6 @@ class Lookahead(WindowMode):
         if not math.isfinite(total):  # finite counts whose sum overflows float64
             tally.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
             total = 0.0
-        real = float(sum(not entry.filler for entry in entries))
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
     def accept(self, reduced: Reduced, stop: int, local: list[float], tally: Tally,

@@ -46,6 +46,7 @@ class _Values:
         self.device = device
         self.mean = mean  # each loss is a mean over its micro-batch's count (else a sum)
         self.counts: list[Tensor | float] = []
+        self.on_host = True  # every count so far a host float (lookahead: counted on the host as read)
         self.losses: list[Tensor | None] = []
         self.aux: list[Tensor] = []
         self.checks: dict[Problem, list[Check]] = {}
@@ -154,6 +155,7 @@ class Tally:
         self.length += 1
         self.real += not filler
         values.counts.append(count)
+        values.on_host = values.on_host and type(count) is float
         values.losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
         if aux is not None:
             values.aux.append(aux.detach())
@@ -189,7 +191,7 @@ class Tally:
         device = list(self._added)
         flags: set[Problem] = self._flags
         device_flags: list[tuple[Problem, Tensor]] = []
-        if all(type(count) is float for count in values.counts):  # lookahead: counted on the host as read
+        if values.on_host:
             local: Tensor | float = self._host_sums(sums, device)
         else:
             local = self._device_sums(device)
