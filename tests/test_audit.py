@@ -486,21 +486,30 @@ def litgpt_loop_audited(fabric: Any, data: list[list[Batch]], accumulate: int) -
     return audits
 
 
-@pytest.mark.distributed
-def test_fabric_litgpt_loop_is_flagged_by_the_monitor_alone() -> None:
-    from _fabric import fabric_for, launched, shifted_count, shifted_loss
+def litgpt_case(seed: int) -> tuple[list[list[Batch]], float]:
+    """Two ranks' ragged batches with a shifted target in every row, and the audit error of LitGPT's loop (each
+    micro-batch's shifted mean / K, averaged over P = 2) on their first window of K = 2: what the audit must report."""
+    from _fabric import shifted_count, shifted_loss
 
-    data = nonempty(ragged_batches(2, 4, seed=245))
+    data = nonempty(ragged_batches(2, 4, seed=seed))
     for rank in data:
         for batch in rank:
-            batch["labels"][:, 1] = 2  # a shifted target in every row
+            batch["labels"][:, 1] = 2
     window = first_window(data, 2)
     total = sum(shifted_count(b) for rank in window for b in rank)
     exact = gradient_of(lambda net: sum(shifted_loss(net, b, "sum") for rank in window for b in rank) / total)
     naive = gradient_of(lambda net: sum(shifted_loss(net, b) for rank in window for b in rank) / (2 * 2))
+    return data, audit_error([naive] * 2, exact)
+
+
+@pytest.mark.distributed
+def test_fabric_litgpt_loop_is_flagged_by_the_monitor_alone() -> None:
+    from _fabric import fabric_for, launched
+
+    data, expected = litgpt_case(245)
     audits = [Audit(**a) for a in launched(fabric_for("ddp"), litgpt_loop_audited, data, 2)]
     assert [a.step for a in audits] == [0, 1]
-    assert_flagged([audits], audit_error([naive] * 2, exact))
+    assert_flagged([audits], expected)
 
 
 def accumulator_audited(fabric: Any, data: list[list[Batch]], mode: str, every: int | None) -> dict[str, Any]:

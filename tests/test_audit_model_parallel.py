@@ -29,7 +29,7 @@ from test_audit import (
     audit_error,
     audited_fit,
     first_window,
-    gradient_of,
+    litgpt_case,
     litgpt_loop_audited,
     mean_of_means_gradient,
     nonempty,
@@ -158,20 +158,13 @@ def test_fabric_model_parallel_accumulator_is_never_flagged_and_unchanged(
 def test_fabric_litgpt_loop_on_model_parallel_is_flagged(data_parallel: int, tensor_parallel: int) -> None:
     """LitGPT's ``fabric.backward(loss / K)`` loop under Fabric's ``ModelParallelStrategy``, audited by
     ``FabricMonitor`` alone: the figure is the reference's."""
-    from _fabric import fabric_for, launched, shifted_count, shifted_loss
+    from _fabric import fabric_for, launched
 
-    data = nonempty(ragged_batches(2, 4, seed=256))
-    for rank in data:
-        for batch in rank:
-            batch["labels"][:, 1] = 2  # a shifted target in every row
-    window = first_window(data, 2)
-    total = sum(shifted_count(b) for rank in window for b in rank)
-    exact = gradient_of(lambda net: sum(shifted_loss(net, b, "sum") for rank in window for b in rank) / total)
-    naive = gradient_of(lambda net: sum(shifted_loss(net, b) for rank in window for b in rank) / (2 * 2))
+    data, expected = litgpt_case(256)
     devices = data_parallel * tensor_parallel
     audits = [Audit(**a) for a in launched(fabric_for("fsdp", devices, tensor_parallel), litgpt_loop_audited, data, 2)]
     assert [a.step for a in audits] == [0, 1]
-    assert_flagged([audits], audit_error([naive] * 2, exact))
+    assert_flagged([audits], expected)
 
 
 def test_sharded_model_without_a_data_parallel_mesh_is_refused(tmp_path: Path) -> None:
