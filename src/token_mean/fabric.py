@@ -1,4 +1,4 @@
-"""``TokenMeanAccumulator``: the exact token mean in a hand-written Lightning Fabric loop (LitGPT's shape).
+"""``TokenMeanAccumulator``: the exact token mean in a hand-written Lightning Fabric loop (LitGPT's or torchtitan's).
 
 A Fabric loop that accumulates ``fabric.backward(loss / K)`` over K micro-batches optimizes a mean of means, as the
 Trainer does. The accumulator drives the same modes, reader and window record as the Trainer strategies; the loop
@@ -19,6 +19,21 @@ changes in five lines:
                 optimizer.step()
             optimizer.zero_grad()
 
+Or in torchtitan's shape, one window at a time, over the very same pass (the same batches, checks and errors; each
+window's iteration ends with its last batch, and ``window.finish()`` is ``accumulator.finish()``):
+
+.. code-block:: python
+
+    for window in accumulator.windows(train_dataloader):      # K batches each (a sized pass's last may be short)
+        for batch in window:
+            with fabric.no_backward_sync(model, enabled=window.accumulating):
+                logits = model(batch["input_ids"])
+                accumulator.backward(chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:]))
+        stats = window.finish()
+        if not stats.skipped:
+            optimizer.step()
+        optimizer.zero_grad()
+
 Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
 (FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh, the count reduced over the
 data-parallel ranks and checked to agree over the tensor-parallel ones). FSDP1 (``FSDPStrategy``) and DeepSpeed are
@@ -28,9 +43,10 @@ DeepSpeed.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -90,6 +106,16 @@ class _InFlight:
             raise RuntimeError(
                 f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
                 f" {self.micro.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
+            )
+
+    def window_left(self) -> None:
+        """The loop finishes a window of ``windows(...)`` or asks for the next: the window yielded its last batch (a
+        break out of ``for batch in window:`` would leave the rest of its batches to the next window)."""
+        if not self.micro.last:
+            raise RuntimeError(
+                f"A window of `accumulator.windows(...)` was finished or left at batch {self.micro.position}, before"
+                " its last micro-batch: iterate each window to its end (`for batch in window:` without `break`), then"
+                " call `window.finish()`."
             )
 
     def left(self, accumulate: int) -> tuple[int | None, int | None]:
@@ -158,17 +184,9 @@ class TokenMeanAccumulator:
         (1.0, 1)
     """
 
-    def __init__(
-        self,
-        fabric: Any,
-        model: Any,
-        accumulate: int,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction = "mean",
-        mode: Mode = "lookahead",
-        pad_uneven_ranks: bool = True,
-        monitor: FabricMonitor | None = None,
-    ) -> None:
+    def __init__(self, fabric: Any, model: Any, accumulate: int, count_fn: CountFn | None = None,
+                 loss_reduction: LossReduction = "mean", mode: Mode = "lookahead", pad_uneven_ranks: bool = True,
+                 monitor: FabricMonitor | None = None) -> None:
         settings, mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
         self._layout = _layout(fabric, *_checked_model(fabric, model, accumulate))
         self._fabric, self._model = fabric, model
@@ -211,7 +229,27 @@ class TokenMeanAccumulator:
         """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
         rank yields as many batches. A sized iterable costs one collective at the pass's start (the ranks agree on its
         length); a stream's end is agreed window by window."""
-        return self._passes.start(iterable)
+        return self._passes.start(iterable, "batches")
+
+    def windows(self, iterable: Iterable[Any]) -> Iterator[BatchWindow]:
+        """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape): each window
+        yields its batches (K, or fewer in a sized pass's last window), then ``window.finish()``.
+
+        Example:
+            >>> import torch
+            >>> from lightning.fabric import Fabric
+            >>> model = (fabric := Fabric(accelerator="cpu", devices=1)).setup(torch.nn.Linear(4, 3))
+            >>> accumulator = TokenMeanAccumulator(fabric, model, accumulate=2)
+            >>> batches = [{"x": torch.randn(2, 4), "labels": torch.tensor([0, -100])} for _ in range(3)]
+            >>> for window in accumulator.windows(batches):
+            ...     for batch in window:
+            ...         loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], ignore_index=-100)
+            ...         accumulator.backward(loss)
+            ...     print(window.finish().window_length)  # K = 2, then the short last window
+            2
+            1
+        """
+        return _windows(self, self._passes, self._passes.start(iterable, "windows"))
 
     def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
                  **kwargs: Any) -> None:
@@ -276,17 +314,19 @@ class _Passes:
         self._epochs, self._monitor = epochs, monitor
         self.progress = Progress(epochs.mode.world_size)
         self.flight: _InFlight | None = None
-        self._iterating = False
+        self._iterating: str | None = None  # "batches" or "windows": the accumulator's method that made the pass
 
-    def start(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        if self._iterating:
-            raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
-        return self._pass(iterable)
+    def start(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
+        self._one_at_a_time()
+        return self._pass(iterable, name)
 
-    def _pass(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        if self._iterating:  # two passes made before either started (`zip`)
-            raise RuntimeError("`accumulator.batches(...)` is already being iterated: one pass at a time.")
-        self._iterating, completed = True, False
+    def _one_at_a_time(self) -> None:
+        if self._iterating is not None:
+            raise RuntimeError(f"`accumulator.{self._iterating}(...)` is already being iterated: one pass at a time.")
+
+    def _pass(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
+        self._one_at_a_time()  # two passes made before either started (`zip`)
+        self._iterating, completed = name, False
         try:
             epoch, move, start = self._begin(iterable)
             for position in itertools.count(start):
@@ -301,7 +341,7 @@ class _Passes:
                 self._monitor.micro_batch(self._model, flight.batch, micro.filler)
                 yield flight.batch
         finally:
-            self._iterating = False
+            self._iterating = None
             last, self.flight = self.flight, None
             self.progress.left(*_where_left(last, completed, self._accumulate, self._model))
             self._monitor.stepped(self._model)
@@ -327,6 +367,63 @@ class _Passes:
             flight.done()
             if flight.micro.last:
                 self._monitor.stepped(self._model)
+
+
+class BatchWindow:
+    """One window of :meth:`TokenMeanAccumulator.windows`: iterate it once for its batches (each through
+    ``accumulator.backward(loss)``), then :meth:`finish` it. Its iteration ends with the window's last batch, before
+    the pass reads the next one."""
+
+    def __init__(self, accumulator: TokenMeanAccumulator, passes: _Passes, first: Any,
+                 following: Iterator[Any]) -> None:
+        self._accumulator, self._passes = accumulator, passes
+        self._first, self._following = first, following
+        self._iterated = False
+
+    @property
+    def accumulating(self) -> bool:
+        """``accumulator.accumulating``: True while the batch in flight is not the window's last."""
+        return self._accumulator.accumulating
+
+    def finish(self) -> WindowStats:
+        """``accumulator.finish()``, after the window's last backward: its stats (then step, unless ``skipped``).
+
+        Raises:
+            RuntimeError: before the window yielded its last batch, or as ``accumulator.finish()`` does.
+        """
+        _left_window(self._passes)
+        return self._accumulator.finish()
+
+    def __iter__(self) -> Iterator[Any]:
+        if self._iterated:
+            raise RuntimeError(
+                "A window of `accumulator.windows(...)` is iterated twice: its batches come once, from the pass."
+            )
+        self._iterated = True
+        return self._batches()
+
+    def _batches(self) -> Iterator[Any]:
+        first, self._first = self._first, None  # the window holds no batch the loop has taken
+        for batch in itertools.chain([first], self._following):
+            last = not self._accumulator.accumulating  # of this batch: asked before the loop runs its backward
+            yield batch
+            if last:  # the next batch opens the next window: left in the pass, unread
+                return
+
+
+def _windows(accumulator: TokenMeanAccumulator, passes: _Passes,
+             batches: Generator[Any, None, None]) -> Iterator[BatchWindow]:
+    """The pass ``batches`` cut into windows: a window's first batch is read when the loop asks for the window, as
+    ``batches()`` reads it when the loop asks for it (after the last window's finish and step)."""
+    with contextlib.closing(batches):  # leaving the windows leaves the pass: it records where
+        for first in batches:
+            yield BatchWindow(accumulator, passes, first, batches)
+            _left_window(passes)  # before the pass reads on (its own checks follow)
+
+
+def _left_window(passes: _Passes) -> None:
+    if passes.flight is not None:  # None once the pass has ended: nothing was left in it
+        passes.flight.window_left()
 
 
 class _Unmonitored:
@@ -501,4 +598,4 @@ def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any
     return None, itertools.chain([following], iterator)
 
 
-__all__ = ["TokenMeanAccumulator"]  # FabricMonitor is importable here too, defined in fabric_monitor
+__all__ = ["BatchWindow", "TokenMeanAccumulator"]  # FabricMonitor is importable here too, defined in fabric_monitor
