@@ -209,9 +209,12 @@ def accumulator_loop(
     loss_fn: Callable[[nn.Module, Batch], Tensor] = shifted_loss,
     loader: str = "list",
     observe: Observe | None = None,
+    shape: str = "batches",
     **kwargs: Any,
 ) -> dict[str, Tensor]:
-    """The same loop with ``TokenMeanAccumulator``; each finished window's stats go into ``windows``."""
+    """The same loop with ``TokenMeanAccumulator``; each finished window's stats go into ``windows``. ``shape``:
+    ``"batches"`` is LitGPT's loop (``for batch in accumulator.batches(...)``), ``"windows"`` torchtitan's (``for
+    window in accumulator.windows(...): for batch in window:``, then ``window.finish()``)."""
     from token_mean import count_shifted_labels
     from token_mean.fabric import TokenMeanAccumulator
 
@@ -219,18 +222,29 @@ def accumulator_loop(
     batches = rank_batches(fabric, data, loader)
     kwargs.setdefault("count_fn", count_shifted_labels)
     accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, **kwargs)
+
+    def step(stats: Any) -> None:
+        if windows is not None:
+            windows.append({**stats.__dict__, "rank_counts": list(stats.rank_counts or ())})
+        if not stats.skipped:
+            optimizer.step()
+        optimizer.zero_grad()
+
     for _ in range(epochs):
+        if shape == "windows":
+            assert observe is None, "`observe` wraps the pass of `batches()`"
+            for window in accumulator.windows(batches):
+                for batch in window:
+                    with fabric.no_backward_sync(model, enabled=window.accumulating):
+                        accumulator.backward(loss_fn(model, batch))
+                step(window.finish())
+            continue
         one_pass = accumulator.batches(batches)
         for batch in one_pass if observe is None else observe(one_pass):
             with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
                 accumulator.backward(loss_fn(model, batch))
             if not accumulator.accumulating:
-                stats = accumulator.finish()
-                if windows is not None:
-                    windows.append({**stats.__dict__, "rank_counts": list(stats.rank_counts or ())})
-                if not stats.skipped:
-                    optimizer.step()
-                optimizer.zero_grad()
+                step(accumulator.finish())
     return full_state(model)
 
 
