@@ -69,10 +69,14 @@ class _Held(NamedTuple):
 
 def _storages(batch: Any) -> _Memory:
     tensors = _tensors(batch)
-    fingerprint = tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True))
+    fingerprint = _fingerprint(tensors)
     spans = tuple([(start, stop, *identity) for (start, stop), identity in zip(_torch.spans(tensors), fingerprint,
                                                                               strict=True) if start != stop])
     return _Memory(spans, fingerprint)
+
+
+def _fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
+    return tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True))
 
 
 _LEAVES = (int, float, bool, str, bytes, type(None))
@@ -323,10 +327,7 @@ class _Memories:
     def unchanged(self, batch: Any) -> bool:
         # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
         current = self.current.fingerprint
-        if not current:
-            return False
-        tensors = _tensors(batch)
-        return tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True)) == current
+        return bool(current) and _fingerprint(_tensors(batch)) == current
 
 
 class _Source:

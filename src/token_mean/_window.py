@@ -365,8 +365,9 @@ class Closing:
             local = reduced.local[0]
         else:
             reduced = self._exchange.read()
-        if not (reduced.clean() and window.healthy(reduced)):  # the common case told from a few slots
-            if reduced.in_step() and not window.healthy(reduced):
+        healthy = window.healthy(reduced)
+        if not (healthy and reduced.clean()):  # the common case, told from a few slots
+            if not healthy and reduced.in_step():
                 diagnosis, length = window.diagnosis(), float(window.length)
                 values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length},
                                 diagnosis.check_slots(), frozenset(window.flags), diagnosis.flags())
