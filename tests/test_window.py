@@ -117,6 +117,27 @@ def test_record_holds_host_values_in_their_slots_and_the_kinds_mark_with_the_ran
     others = [mark for mark in MARKS if mark is not Kind.WINDOW]
     assert all(record[ranks_slot(mark)] == 0.0 and record[bits_slot(mark)] == 0.0 for mark in others)
 
+@pytest.mark.parametrize("rank_counts", [False, True])
+def test_a_vector_of_slots_adds_like_its_scalars_and_the_rank_block_copies_count_from_count_slots(
+    rank_counts: bool,
+) -> None:
+    channel = Channel(world(3, 1), rank_counts=rank_counts)
+    count, loss, naive = (torch.tensor(v, dtype=torch.float64) for v in (5.0, 2.5, 0.75))
+    scalars = channel.record(Kind.WINDOW, Values({Slot.LENGTH: 1.0}, [(Slot.COUNT, count), (Slot.LOSS_SUM, loss),
+                                                                      (Slot.NAIVE, naive)]))
+    slots = channel.count_slots
+    vector = torch.stack([count] * len(slots) + [loss])
+    mixed = channel.record(Kind.WINDOW, Values({Slot.LENGTH: 1.0}, [((*slots, Slot.LOSS_SUM), vector),
+                                                                     (Slot.NAIVE, naive)]))
+
+    assert torch.equal(mixed, scalars)
+    assert mixed[Slot.COUNT] == 5.0 and mixed[Slot.LOSS_SUM] == 2.5 and mixed[Slot.NAIVE] == 0.75
+    assert slots == ((Slot.COUNT, RECORD_SIZE + 1) if rank_counts else (Slot.COUNT,))
+    assert mixed.shape == (RECORD_SIZE + (3 if rank_counts else 0),)
+    if rank_counts:
+        assert mixed[RECORD_SIZE + 1] == 5.0 and mixed[RECORD_SIZE] == 0.0 and mixed[RECORD_SIZE + 2] == 0.0
+
+
 
 def test_only_ranks_below_52_carry_a_rank_bit() -> None:
     bits = [Channel(world(60, rank)).record(Kind.WINDOW)[bits_slot(Kind.WINDOW)].item() for rank in (51, 52, 59)]

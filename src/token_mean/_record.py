@@ -107,8 +107,13 @@ class World:
         return World(size=1, rank=0, device=device or torch.device("cpu"))
 
 
+Slots = tuple[int, ...]
+"""Several slots a 1-d device value adds to, one element each (:class:`Slot` members, or a per-rank slot)."""
+
+
 class Values(NamedTuple):
-    """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here).
+    """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here):
+    a 0-dim tensor for a slot, or a 1-d one for :data:`Slots`.
 
     ``flags`` are host-side problems; ``device_flags`` problems decided on the device (true or false; a problem given
     twice is raised when either is). A tuple: made once or twice per window, where a frozen dataclass's ``__init__``
@@ -116,7 +121,7 @@ class Values(NamedTuple):
     """
 
     host: Mapping[Slot, float] = MappingProxyType({})
-    device: Sequence[tuple[Slot, Tensor]] = ()
+    device: Sequence[tuple[Slot | Slots, Tensor]] = ()
     flags: frozenset[Problem] = frozenset()
     device_flags: Sequence[tuple[Problem, Tensor]] = ()
 
@@ -142,6 +147,11 @@ class Channel:
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
 
+    @property
+    def count_slots(self) -> Slots:
+        """Where a rank's COUNT goes: its slot, and its own slot of the per-rank block where the channel has one."""
+        return (Slot.COUNT, RECORD_SIZE + self.world.rank) if self.rank_counts else (Slot.COUNT,)
+
     def record(self, kind: Kind, values: Values = _NO_VALUES) -> Tensor:
         """This rank's record for a collective of ``kind``: one host-to-device copy of the host values, and one
         ``index_add`` of the device values (a handful of kernels, whatever the number of values)."""
@@ -156,12 +166,33 @@ class Channel:
         for mark in marks:
             host[RANKS + _MARK_INDEX[mark]] = 1.0
             host[BITS + _MARK_INDEX[mark]] = bit
-        index = [int(slot) for slot, _ in values.device]
-        parts = [_float64(value) for _, value in values.device]
         if self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
             host[RECORD_SIZE + world.rank] = host[Slot.COUNT]
-            index += [RECORD_SIZE + world.rank for slot, _ in values.device if slot is Slot.COUNT]
-            parts += [_float64(value) for slot, value in values.device if slot is Slot.COUNT]
+        record = _torch.to_device(host, torch.float64, world.device)
+        index, source = self._device_part(values)
+        if source is not None:
+            record = record.index_add(0, self._index(index), source)
+        return record
+
+    def _device_part(self, values: Values) -> tuple[tuple[int, ...], Tensor | None]:
+        """The record's slots the device values add to, and those values as one float64 vector: the scalars
+        stacked, each vector of several slots as it is (a record of one vector and no scalar takes no kernel)."""
+        scalar_slots: list[int] = []
+        scalars: list[Tensor] = []
+        vector_slots: list[int] = []
+        vectors: list[Tensor] = []
+        per_rank = RECORD_SIZE + self.world.rank  # the per-rank block's copy of COUNT, where there is one
+        for slot, value in values.device:
+            value = _float64(value)
+            if isinstance(slot, tuple):  # its COUNT already in the per-rank block where there is one (count_slots)
+                vector_slots += slot
+                vectors.append(value)
+            else:
+                scalar_slots.append(slot)
+                scalars.append(value)
+                if self.rank_counts and slot is Slot.COUNT:
+                    scalar_slots.append(per_rank)
+                    scalars.append(value)
         # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
         # decided twice on the device counts once)
         decided: dict[Problem, list[Tensor]] = {}
@@ -170,12 +201,12 @@ class Channel:
                 decided.setdefault(problem, []).append(flag)
         for problem, flags in decided.items():
             raised = _float64(flags[0] if len(flags) == 1 else torch.stack(flags).any())
-            index += [RANKS + _MARK_INDEX[problem], BITS + _MARK_INDEX[problem]]
-            parts += [raised, raised * bit]
-        record = _torch.to_device(host, torch.float64, world.device)
-        if index:
-            record = record.index_add(0, self._index(tuple(index)), torch.stack(parts))
-        return record
+            scalar_slots += [RANKS + _MARK_INDEX[problem], BITS + _MARK_INDEX[problem]]
+            scalars += [raised, raised * self._bit]
+        sources = ([torch.stack(scalars)] if scalars else []) + vectors
+        if not sources:
+            return (), None
+        return (*scalar_slots, *vector_slots), sources[0] if len(sources) == 1 else torch.cat(sources)
 
     def _index(self, slots: tuple[int, ...]) -> Tensor:
         """The device index tensor of ``slots``, made once per set of slots (a window's are the same every time)."""
@@ -226,7 +257,9 @@ class Exchange:
         record = self.wait()
         if extra is None:
             return Reduced(self.kind, record.tolist(), self.world, [])
-        values: list[float] = torch.cat([record, extra.reshape(-1).to(record.dtype)]).tolist()
+        if extra.dim() != 1 or extra.dtype != record.dtype:
+            extra = extra.reshape(-1).to(record.dtype)
+        values: list[float] = torch.cat([record, extra]).tolist()
         return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :])
 
 
@@ -358,6 +391,7 @@ __all__ = [
     "Kind",
     "Reduced",
     "Slot",
+    "Slots",
     "Values",
     "World",
     "raise_lines",

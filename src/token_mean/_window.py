@@ -21,7 +21,7 @@ from torch import Tensor
 
 from token_mean import _torch
 from token_mean._problems import Problem
-from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Values, raise_lines
+from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Slots, Values, raise_lines
 from token_mean.results import WindowStats
 
 # the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
@@ -188,7 +188,7 @@ class Tally:
         values = self._values
         length = float(self.length)
         sums = {**host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
-        device = list(self._added)
+        device: list[tuple[Slot | Slots, Tensor]] = list(self._added)
         flags: set[Problem] = self._flags
         device_flags: list[tuple[Problem, Tensor]] = []
         if values.on_host:
@@ -206,7 +206,7 @@ class Tally:
         return Closing(self, self.channel.start(Kind.WINDOW, Values(sums, device, frozenset(flags), device_flags)),
                        local)
 
-    def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot, Tensor]]) -> float:
+    def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot | Slots, Tensor]]) -> float:
         """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
         multiplication of the losses that have items."""
         values = self._values
@@ -224,21 +224,26 @@ class Tally:
             device.append((Slot.LOSS_SUM, losses @ weights))
         return local
 
-    def _device_sums(self, device: list[tuple[Slot, Tensor]]) -> Tensor:
+    def _device_sums(self, device: list[tuple[Slot | Slots, Tensor]]) -> Tensor:
         """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an
-        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum."""
+        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum. The counts and losses go in one
+        stack, the sums come out of one reduction, and go into the record as one vector."""
         values = self._values
-        counts = values.counts_stacked()
+        length = len(values.counts)
+        both = values.stack([*values.counts, *(values.zero() if loss is None else loss for loss in values.losses)])
+        counts, losses = torch.split(both, length)  # one view op (slicing twice takes two)
         valid = _valid(counts)
-        local = valid.sum()
-        weights = valid if values.mean else (valid > 0).to(torch.float64)
-        terms = torch.where(valid > 0, values.losses_stacked(), 0.0) * weights
+        has_items = valid > 0
+        terms = torch.where(has_items, losses, 0.0) * (valid if values.mean else has_items)
         if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
             terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
-        device += [(Slot.COUNT, local), (Slot.LOSS_SUM, terms.sum())]
-        if self._judge_counts:
-            device.append((Slot.BAD_COUNTS, (valid != counts).sum(dtype=torch.float64)))  # NaN != NaN
-        return local
+        count_slots = self.channel.count_slots
+        rows, slots = [valid] * len(count_slots) + [terms], (*count_slots, Slot.LOSS_SUM)
+        if self._judge_counts:  # NaN != NaN
+            rows, slots = [*rows, valid != counts], (*slots, Slot.BAD_COUNTS)
+        sums = torch.stack(rows).sum(dim=1)
+        device.append((slots, sums))
+        return sums  # this rank's count first
 
     def healthy(self, reduced: Reduced) -> bool:
         """Whether the summed record shows no problem of the device values (a non-finite sum, a bad count, a check
