@@ -108,4 +108,8 @@ class Problem(Enum):
         self.what = what
         self.fix = fix
 
+    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own hashes the name in
+    # Python, a frame for every set and dict a window's problems pass through)
+    __hash__ = object.__hash__
+
 

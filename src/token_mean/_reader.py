@@ -70,9 +70,11 @@ class _Held(NamedTuple):
 def _storages(batch: Any) -> _Memory:
     tensors = _tensors(batch)
     fingerprint = _fingerprint(tensors)
-    spans = tuple([(start, stop, *identity) for (start, stop), identity in zip(_torch.spans(tensors), fingerprint,
-                                                                              strict=True) if start != stop])
-    return _Memory(spans, fingerprint)
+    spans = []  # a loop, not a comprehension: one frame less per batch read
+    for (start, stop), (tensor, version) in zip(_torch.spans(tensors), fingerprint, strict=True):
+        if start != stop:
+            spans.append((start, stop, tensor, version))
+    return _Memory(tuple(spans), fingerprint)
 
 
 def _fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:

@@ -26,6 +26,8 @@ from token_mean import _torch
 from token_mean._problems import Problem
 from token_mean.errors import DenominatorError
 
+_SUM = dist.ReduceOp.SUM if dist.is_available() else None
+
 NAMED_RANKS = 52
 """Ranks below this are named in messages; float64 holds the sum of 2**rank over them exactly."""
 
@@ -71,6 +73,8 @@ class Kind(Enum):
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
     LEFT = "the end of its epoch, at a batch it did not train (`on_train_batch_start` returned -1)"
     DIAGNOSIS = "the diagnosis of a window whose sums showed a problem (which ranks had which)"
+
+    __hash__ = object.__hash__  # by identity, in C (as Problem's)
 
 
 Mark = Problem | Kind
@@ -217,7 +221,7 @@ class Channel:
 
     def start(self, kind: Kind, values: Values = _NO_VALUES) -> Exchange:
         """Start the collective without waiting for it."""
-        return self._exchange(kind, values, dist.ReduceOp.SUM if dist.is_available() else None)
+        return self._exchange(kind, values, _SUM)
 
     def reduce(self, kind: Kind, values: Values = _NO_VALUES, op: Any = None) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""

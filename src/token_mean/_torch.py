@@ -163,7 +163,7 @@ def to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch
 def spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
     """The bytes ``[data_ptr, data_ptr + extent)`` each tensor's elements reach (its strides included; non-negative
     strides); an empty tensor reaches none."""
-    return [(start, start + (tensor.numel() * tensor.element_size() if tensor.is_contiguous() else _extent(tensor)))
+    return [(start, start + (tensor.nbytes if tensor.is_contiguous() else _extent(tensor)))
             for tensor in tensors for start in (tensor.data_ptr(),)]
 
 
