@@ -39,6 +39,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/host_time.py
+	$(PY) benchmarks/instructions.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/audit.py
 

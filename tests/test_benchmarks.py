@@ -208,3 +208,20 @@ def test_gpu_step_refuses_to_run_without_cuda() -> None:
     )
     assert completed.returncode == 2, completed.stderr[-3000:]
     assert "no CUDA device" in completed.stderr and "--quick" in completed.stderr
+
+
+def test_instructions_per_step_cancels_what_every_fit_costs_besides_its_steps() -> None:
+    """instructions.py's quick run takes two minutes under valgrind (six fits), too long for the suite: its
+    arithmetic is tested here, its output by ``make bench``."""
+    sys.path.insert(0, str(BENCHMARKS))
+    import instructions
+
+    log = "==12== Events    : Ir\n==12== Collected : 175688557\n==12==\n==12== I   refs:      175,688,557\n"
+    assert instructions.collected(log) == 175_688_557
+    with pytest.raises(RuntimeError, match="no callgrind count"):
+        instructions.collected("valgrind: command not found")
+    setup, step = 917_000, 3_495_400  # the control calls and the fit's start, and one step
+    fits = [setup + n * step for n in (30, 90)]
+    assert instructions.per_step(*fits, 30, 90) == step
+    with pytest.raises(ValueError, match="more steps"):
+        instructions.per_step(*fits, 90, 30)
