@@ -144,6 +144,17 @@ def test_only_ranks_below_52_carry_a_rank_bit() -> None:
     assert bits == [2.0**51, 0.0, 0.0]  # the sum of 2**rank over ranks below 52 is exact in float64
 
 
+def test_the_zero_is_made_once_per_channel_and_a_window_of_fillers_leaves_it_zero() -> None:
+    channel = Channel(World.single())
+    first, second = (Tally(channel, start, 2, STEP, "mean") for start in (0, 2))
+    assert first.zero() is second.zero() is channel.zero()
+    for _ in range(2):  # fillers: the zero is their count, and no loss
+        second.add(second.zero(), None, filler=True)
+    result = second.close().result()
+    assert result.local_count == 0.0 and result.reduced[Slot.LOSS_SUM] == 0.0
+    assert channel.zero().item() == 0.0 and channel.zero().dtype == torch.float64
+
+
 def test_sequence_counts_the_collectives_started_on_the_channel() -> None:
     channel = Channel(World.single())
     assert channel.record(Kind.WINDOW)[Slot.SEQUENCE] == 0.0

@@ -121,7 +121,7 @@ class _DeferredWindow(Window):
 
     def __init__(self, mode: Deferred, epoch: Epoch, tally: Tally, stop: int) -> None:
         super().__init__(mode, epoch, tally, stop)
-        self._provisional = tally.zero()  # D, from the window's first forward on
+        self._provisional = tally.zero()  # D from the window's first forward on (the fit's zero until then: no op)
         self._closing: Closing | None = None  # its exchange, from its last forward on
         self._factor: Tensor | None = None  # D/N, computed once, during the last backward
 

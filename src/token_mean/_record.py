@@ -150,6 +150,14 @@ class Channel:
         self._sequence = 0
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
+        self._zero: Tensor | None = None
+
+    def zero(self) -> Tensor:
+        """A float64 zero on the world's device, made once per channel (a fit): never written to, every use reads
+        or copies it (a filler's count, a missing loss in a stack, the other side of a ``where``)."""
+        if self._zero is None:
+            self._zero = torch.zeros((), dtype=torch.float64, device=self.world.device)
+        return self._zero
 
     @property
     def count_slots(self) -> Slots:

@@ -42,21 +42,15 @@ class _Values:
     """What a window's micro-batches contributed on this rank, as they came: counts on the device (a tensor) or the
     host (a float), losses detached, 'aux_loss' terms, and pairs that must agree."""
 
-    def __init__(self, device: torch.device, mean: bool) -> None:
-        self.device = device
+    def __init__(self, channel: Channel, mean: bool) -> None:
+        self.device = channel.world.device
+        self.zero = channel.zero  # a float64 zero on the device, one per fit
         self.mean = mean  # each loss is a mean over its micro-batch's count (else a sum)
         self.counts: list[Tensor | float] = []
         self.on_host = True  # every count so far a host float (lookahead: counted on the host as read)
         self.losses: list[Tensor | None] = []
         self.aux: list[Tensor] = []
         self.checks: dict[Problem, list[Check]] = {}
-        self._zero: Tensor | None = None
-
-    def zero(self) -> Tensor:
-        """A float64 zero on the device (made when first asked for)."""
-        if self._zero is None:
-            self._zero = torch.zeros((), dtype=torch.float64, device=self.device)
-        return self._zero
 
     def counts_stacked(self) -> Tensor:
         return self.stack(self.counts)
@@ -107,7 +101,7 @@ class Tally:
         self.start = start
         self.accumulate = accumulate
         self.step = step
-        self._values = _Values(channel.world.device, loss_reduction == "mean")
+        self._values = _Values(channel, loss_reduction == "mean")
         self._added: list[tuple[Slot, Tensor]] = []
         self._flags: set[Problem] = set()
         self._detail = ""
@@ -143,8 +137,8 @@ class Tally:
         return self._detail
 
     def zero(self) -> Tensor:
-        """A float64 zero on the device (one per tally)."""
-        return self._values.zero()
+        """A float64 zero on the device (one per fit: never written to)."""
+        return self.channel.zero()
 
     # ---- feeding ----
 
@@ -234,7 +228,7 @@ class Tally:
         counts, losses = torch.split(both, length)  # one view op (slicing twice takes two)
         valid = _valid(counts)
         has_items = valid > 0
-        terms = torch.where(has_items, losses, 0.0) * (valid if values.mean else has_items)
+        terms = torch.where(has_items, losses, values.zero()) * (valid if values.mean else has_items)
         if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
             terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
         count_slots = self.channel.count_slots
