@@ -11,7 +11,7 @@ import torch
 from torch import Tensor
 
 from token_mean import _torch
-from token_mean._counts import IGNORE_INDEX
+from token_mean._counts import IGNORE_INDEX, host_count
 from token_mean._problems import Problem
 
 CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
@@ -65,6 +65,9 @@ def read_count(count_fn: CountFn, batch: Any) -> tuple[float, Problem | None, st
     Lookahead counts batches as the loader yields them, on the host, so reading the count is free; a count_fn that
     moves the batch to an accelerator first would pay one sync per batch.
     """
+    host = host_count(count_fn, batch)
+    if host is not None:
+        return float(host), None, ""
     try:
         value, detail = check_count(count_fn(batch), "`count_fn`")
     except Exception as error:  # every rank must reach the collective to learn of it
