@@ -2,16 +2,18 @@
 
 ``host_time.py`` times the same fits, but on a shared VM a fit's time per step swings by ±20–50 % between
 neighbouring fits, so two versions of the package that differ by a few per cent cannot be told apart by time. An
-instruction count can: it is the same in every run of the same code (to about 0.05 %), load or no load. It is not
-time: cold code (a window's work runs once per step, between Lightning's) retires fewer instructions per cycle than
-Lightning's loop, so the time ratio exceeds the instruction ratio; read both.
+instruction count can: it is the same in every run of the same code (to about 0.05 %, the hash seed and the
+address layout fixed), load or no load. It is not time: cold code (a window's work runs once per step, between
+Lightning's) retires fewer instructions per cycle than Lightning's loop, so the time ratio exceeds the instruction
+ratio; read both.
 
 Each fit of ``host_time.run_fit`` (one process, world size 1, gloo, the same model, data and warm-up) runs in a child
 process under ``valgrind --tool=callgrind --instr-atstart=no``, which starts collecting at the end of the warm-up
 step and stops at the end of the last one (``callgrind_control -i on|off`` on its own pid, from the timing
 callback). The parent-side cost of those two control calls is the same in every fit, so each cell runs two fits,
 of n₁ and n₂ timed steps, and instructions per step = (I₂ − I₁) / (n₂ − n₁): the control calls cancel exactly.
-Cells run two children at a time (2 cores).
+Children run with ``PYTHONHASHSEED=0`` and without address randomization (``setarch -R``), so the same code counts
+the same to about 0.05 %. Cells run two children at a time (2 cores).
 
     .venv/bin/python benchmarks/instructions.py            # ~6 min on 2 cores -> benchmarks/results/instructions.*
     .venv/bin/python benchmarks/instructions.py --quick    # K = 1 only, 2 and 4 timed steps (temp folder)
@@ -23,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import platform
 import re
 import shutil
 import subprocess
@@ -50,6 +53,10 @@ WARMUP_STEPS = 20  # as host_time.py
 FULL_STEPS = (30, 90)  # n₁, n₂ timed steps
 QUICK_STEPS = (2, 4)
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
+# one process's count moves with its string hashes and addresses (dict and set layouts, the allocator): children run
+# with PYTHONHASHSEED=0 and, where setarch can turn it off, no address randomization (two fits of the same code then
+# differ by ~0.05 %; with both random, by ~0.3 %, which the difference of two fits amplifies)
+FIXED_LAYOUT = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
 
 
 def collected(log: str) -> int:
@@ -71,11 +78,11 @@ def per_step(first: int, second: int, first_steps: int, second_steps: int) -> fl
 def count(method: str, accumulate: int, timed_steps: int) -> int:
     """One fit under callgrind, collecting over its ``timed_steps`` steps after the warm-up."""
     with tempfile.TemporaryDirectory(prefix="token_mean-callgrind-") as folder:
-        command = ["valgrind", "--tool=callgrind", "--instr-atstart=no",
+        command = [*FIXED_LAYOUT, "valgrind", "--tool=callgrind", "--instr-atstart=no",
                    f"--callgrind-out-file={Path(folder) / 'callgrind.out'}",
                    sys.executable, __file__, "--child", method, str(accumulate), str(timed_steps)]
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800, check=False,
-                              start_new_session=True)
+                              start_new_session=True, env={**os.environ, "PYTHONHASHSEED": "0"})
     if done.returncode != 0:
         raise RuntimeError(f"{method} K={accumulate}: the callgrind child exited {done.returncode}:\n"
                            f"{done.stderr[-3000:]}")
@@ -129,8 +136,8 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]], steps: tuple[int, in
         environment_markdown(env),
         f"host_time.py's fits under valgrind's callgrind, collecting from the end of the {WARMUP_STEPS}th (warm-up)"
         f" step to the end of the last; per cell two fits of {steps[0]} and {steps[1]} timed steps, instructions per"
-        " step = the difference / the difference in steps (exact: the same in every run of the same code to about"
-        " 0.05 %). Instructions are not time: compare host_time.md's ratios.",
+        " step = the difference / the difference in steps (the same in every run of the same code to about 0.05 %:"
+        " PYTHONHASHSEED=0, no address randomization). Instructions are not time: compare host_time.md's ratios.",
         markdown_table(headers, table),
     ])
 
@@ -154,7 +161,8 @@ def main() -> None:
         "accumulations": list(accumulations), "methods": list(METHODS), "warmup_steps": WARMUP_STEPS,
         "timed_steps": list(steps), "tool": subprocess.run(["valgrind", "--version"], capture_output=True,
                                                              text=True, check=False).stdout.strip(),
-        "fits": "host_time.run_fit (one process, world size 1, gloo), each in its own valgrind child",
+        "fits": "host_time.run_fit (one process, world size 1, gloo), each in its own valgrind child,"
+                " PYTHONHASHSEED=0" + (", setarch -R" if FIXED_LAYOUT else ", address randomization on"),
         "quick": args.quick,
     })
     started = time.perf_counter()
