@@ -49,9 +49,10 @@ and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} 
 same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
 "(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the next window's batches as the loader yielded \
 them, before they move to the device, so on an accelerator they never wait for it; "(n the count)": the ops of \
-`count_valid_labels` itself (`ne`, `sum`): lookahead counts each batch once, read ahead on the CPU batch (again as \
-`training_step` received it only when a hook moved or changed its tensors, 2 more ops then), deferred mode and the \
-monitor once, on the device batch.
+the count itself: lookahead counts each batch once, read ahead on the CPU batch, where the built-in label counts \
+read the labels through numpy (1 op, the view's `detach`; again as `training_step` received it only when a hook \
+moved or changed its tensors, 2 more ops then); deferred mode and the monitor once, on the device batch, with \
+`count_valid_labels` (`ne`, `sum`).
 
 - **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
 without the monitor, except lookahead's `count_fn` on the next window's CPU batches. The window's record is read \
