@@ -2,18 +2,21 @@
 
 ``host_time.py`` times the same fits, but on a shared VM a fit's time per step swings by ±20–50 % between
 neighbouring fits, so two versions of the package that differ by a few per cent cannot be told apart by time. An
-instruction count can: it is the same in every run of the same code (to about 0.05 %, the hash seed and the
-address layout fixed), load or no load. It is not time: cold code (a window's work runs once per step, between
-Lightning's) retires fewer instructions per cycle than Lightning's loop, so the time ratio exceeds the instruction
-ratio; read both.
+instruction count moves far less: two runs of the same code agree to about 0.1–0.4 % of a fit's count (the hash
+seed and the address layout fixed, the warm-up's objects frozen), load or no load. It is not time: cold code (a
+window's work runs once per step, between Lightning's) retires fewer instructions per cycle than Lightning's loop,
+so the time ratio exceeds the instruction ratio; read both.
 
 Each fit of ``host_time.run_fit`` (one process, world size 1, gloo, the same model, data and warm-up) runs in a child
 process under ``valgrind --tool=callgrind --instr-atstart=no``, which starts collecting at the end of the warm-up
 step and stops at the end of the last one (``callgrind_control -i on|off`` on its own pid, from the timing
 callback). The parent-side cost of those two control calls is the same in every fit, so each cell runs two fits,
 of n₁ and n₂ timed steps, and instructions per step = (I₂ − I₁) / (n₂ − n₁): the control calls cancel exactly.
-Children run with ``PYTHONHASHSEED=0`` and without address randomization (``setarch -R``), so the same code counts
-the same to about 0.05 %. Cells run two children at a time (2 cores).
+Children run with ``PYTHONHASHSEED=0`` and without address randomization (``setarch -R``), and at the end of the
+warm-up collect and ``gc.freeze()`` what they hold (Lightning's, torch's and the data's objects): a full collection
+scans all of it, millions of instructions, and whether one falls inside the counted steps moved a fit's count by
+~1 %; after the freeze, collections scan only what the steps make, as in a long run. Cells run two children at a time
+(2 cores).
 
     .venv/bin/python benchmarks/instructions.py            # ~6 min on 2 cores -> benchmarks/results/instructions.*
     .venv/bin/python benchmarks/instructions.py --quick    # K = 1 only, 2 and 4 timed steps (temp folder)
@@ -24,6 +27,7 @@ Needs ``valgrind`` (with ``callgrind_control``) on the PATH; without it the scri
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import platform
 import re
@@ -55,7 +59,7 @@ QUICK_STEPS = (2, 4)
 COLLECTED = re.compile(r"Collected\s*:\s*(\d+)")
 # one process's count moves with its string hashes and addresses (dict and set layouts, the allocator): children run
 # with PYTHONHASHSEED=0 and, where setarch can turn it off, no address randomization (two fits of the same code then
-# differ by ~0.05 %; with both random, by ~0.3 %, which the difference of two fits amplifies)
+# differ by ~0.1 %; with both random, by ~0.3 %, which the difference of two fits amplifies)
 FIXED_LAYOUT = ["setarch", platform.machine(), "-R"] if shutil.which("setarch") else []
 
 
@@ -98,6 +102,9 @@ def child(method: str, accumulate: int, timed_steps: int) -> None:
     pid = str(os.getpid())
 
     def at_step(step: int) -> None:
+        if step == WARMUP_STEPS:  # what the process holds by now is never scanned again (module docstring)
+            gc.collect()
+            gc.freeze()
         if step in (WARMUP_STEPS, steps):
             switch = "on" if step == WARMUP_STEPS else "off"
             subprocess.run(["callgrind_control", "-i", switch, pid], check=True, capture_output=True, timeout=300)
@@ -136,8 +143,9 @@ def report(env: dict[str, Any], rows: list[dict[str, Any]], steps: tuple[int, in
         environment_markdown(env),
         f"host_time.py's fits under valgrind's callgrind, collecting from the end of the {WARMUP_STEPS}th (warm-up)"
         f" step to the end of the last; per cell two fits of {steps[0]} and {steps[1]} timed steps, instructions per"
-        " step = the difference / the difference in steps (the same in every run of the same code to about 0.05 %:"
-        " PYTHONHASHSEED=0, no address randomization). Instructions are not time: compare host_time.md's ratios.",
+        " step = the difference / the difference in steps (PYTHONHASHSEED=0, no address randomization, the warm-up's"
+        " objects frozen: two fits of the same code agree to about 0.1–0.4 %). Instructions are not time: compare"
+        " host_time.md's ratios.",
         markdown_table(headers, table),
     ])
 
