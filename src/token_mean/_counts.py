@@ -116,8 +116,9 @@ def host_count(count_fn: Any, batch: Any) -> int | None:
     """
     if (count_fn is not count_valid_labels and count_fn is not count_shifted_labels) or type(batch) is not dict:
         return None
-    shifted = count_fn is count_shifted_labels and "shift_labels" not in batch
-    labels = batch.get("shift_labels" if count_fn is count_shifted_labels and not shifted else "labels")
+    key = "shift_labels" if count_fn is count_shifted_labels and "shift_labels" in batch else "labels"
+    shifted = count_fn is count_shifted_labels and key == "labels"  # the model shifts: the first label is no target
+    labels = batch.get(key)
     if (type(labels) is not Tensor or labels.dtype not in _HOST_DTYPES or not labels.is_cpu or not labels.dim()
             or labels.layout is not torch.strided):
         return None

@@ -174,11 +174,11 @@ class _DeferredWindow(Window):
         if closing is None:
             raise RuntimeError("token_mean: internal error: a window ended before its last forward was done.")
         result = closing.result()
-        global_count = result.reduced.values[Slot.COUNT]
+        global_count = result.reduced[Slot.COUNT]
         check_global_count(global_count, 1.0, lambda: self.where, self.tally.detail, self.mode.channel.world.rank)
         self.mode.follow(global_count)
         stats = result.stats(global_count, self.mode.name, None)
-        return self._finished(stats, result.reduced.values[Slot.MORE], result.reduced.values[Slot.UNSURE] > 0)
+        return self._finished(stats, result.reduced[Slot.MORE], result.reduced[Slot.UNSURE] > 0)
 
 
 __all__ = ["AfterReduction", "Deferred", "GradientPath"]

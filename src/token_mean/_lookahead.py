@@ -81,10 +81,10 @@ class Lookahead(WindowMode):
                where: Callable[[], str]) -> _Counts:
         """The announced counts of the window ``where`` that ends at ``stop`` (the record's problems raised already,
         ``tally`` the window whose record brought them), raising an N that cannot normalize before its use."""
-        global_count = reduced.values[Slot.NEXT_COUNT]  # the list itself: no __getitem__ frame per slot
+        global_count = reduced[Slot.NEXT_COUNT]
         check_global_count(global_count, self.world_size * tally.accumulate, where, tally.detail,
                            self.channel.world.rank)
-        return _Counts(stop, local, global_count, reduced.values[Slot.NEXT_REAL])
+        return _Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
 
     def starts_before_exchange(self, epoch: Epoch, position: int, accumulate: int,
                                previous: Window | None) -> int | None:
@@ -170,9 +170,9 @@ class _LookaheadWindow(Window):
         stop = counts.stop + len(self._next_local)
         self.next_counts = self.mode.accept(reduced, stop, self._next_local, self.tally,
                                             lambda: self.tally.where_next(stop))
-        aux = reduced.values[Slot.AUX_SUM] / counts.real if self.tally.has_aux and counts.real else None
+        aux = reduced[Slot.AUX_SUM] / counts.real if self.tally.has_aux and counts.real else None
         stats = result.stats(counts.global_count, self.mode.name, aux)
-        return self._finished(stats, reduced.values[Slot.MORE], reduced.values[Slot.UNSURE] > 0)
+        return self._finished(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0)
 
 
 __all__ = ["Lookahead"]

@@ -259,11 +259,14 @@ class WindowMode(ABC):
 
     def __init__(self, channel: Channel, settings: Settings, checks: Sequence[WindowCheck] = ()) -> None:
         self.channel = channel
-        self.world_size = channel.world.size
         self.settings = settings
         self.checks = tuple(checks)
         self.skipped_steps = 0
         self._saved_accumulate: int | None = None  # K in a checkpoint being resumed, until the first window opens
+
+    @property
+    def world_size(self) -> int:
+        return self.channel.world.size
 
     def open(self, epoch: Epoch, start: int, accumulate: int, step: int, previous: Window | None) -> Window:
         """The window of optimizer step ``step`` opens at ``start`` with K = ``accumulate`` (``previous``: the

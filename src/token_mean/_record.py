@@ -195,17 +195,14 @@ class Channel:
         scalars: list[Tensor] = []
         vector_slots: list[int] = []
         vectors: list[Tensor] = []
-        per_rank = RECORD_SIZE + self.world.rank  # the per-rank block's copy of COUNT, where there is one
         for slot, value in values.device:
             value = _float64(value)
-            if isinstance(slot, tuple):  # its COUNT already in the per-rank block where there is one (count_slots)
+            if isinstance(slot, tuple):  # a vector names its COUNT's slots itself (count_slots)
                 vector_slots += slot
                 vectors.append(value)
             else:
-                scalar_slots.append(slot)
-                scalars.append(value)
-                if self.rank_counts and slot is Slot.COUNT:
-                    scalar_slots.append(per_rank)
+                for target in self.count_slots if slot is Slot.COUNT else (slot,):
+                    scalar_slots.append(target)
                     scalars.append(value)
         # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
         # decided twice on the device counts once)
@@ -267,12 +264,11 @@ class Exchange:
         return self.record
 
     def read(self, extra: Tensor | None = None) -> Reduced:
-        """The reduced record on the host; ``extra`` local device values are appended and read in the same copy."""
+        """The reduced record on the host; ``extra`` local device values (1-d, float64) are appended and read in the
+        same copy."""
         record = self.wait()
         if extra is None:
             return Reduced(self.kind, record.tolist(), self.world, [])
-        if extra.dim() != 1 or extra.dtype != record.dtype:
-            extra = extra.reshape(-1).to(record.dtype)
         values: list[float] = torch.cat([record, extra]).tolist()
         return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :])
 
@@ -308,7 +304,7 @@ class Reduced:
 
     def lengths_agree(self) -> bool:
         """All ranks ran windows of one length (integers, exact in float64)."""
-        total, squares = self.values[Slot.LENGTH], self.values[Slot.LENGTH_SQUARED]
+        total, squares = self[Slot.LENGTH], self[Slot.LENGTH_SQUARED]
         return squares * self.world.size == total * total
 
     def lines(self) -> list[str]:

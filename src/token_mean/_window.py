@@ -388,7 +388,7 @@ class Result(NamedTuple):
             local_count=self.local_count,
             rank_counts=self.reduced.rank_counts(),
             window_length=self.length,
-            loss=None if global_count == 0 else self.reduced.values[Slot.LOSS_SUM] / global_count,
+            loss=None if global_count == 0 else self.reduced[Slot.LOSS_SUM] / global_count,
             skipped=global_count == 0,
             mode=mode,
             aux_loss=aux,
