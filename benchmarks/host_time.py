@@ -15,19 +15,22 @@ with ``batch_size=None`` over pre-built batches (``tests/_harness.py``): the ste
 so every fixed cost shows. K = ``accumulate_grad_batches`` ∈ {1, 4}; one epoch holds (steps + 1)·K batches, so every
 timed window is a mid-epoch one (lookahead reads the next window, as in steady state).
 
-Timing: a callback stamps ``time.perf_counter()`` and ``time.process_time()`` at the end of every batch after which
-the optimizer stepped, inside the fit; time per step = (last stamp − the stamp after the warm-up steps) / timed
-steps, so Trainer set-up and teardown are excluded. After one untimed round of all six fits (a process's first fits
-run slower), each repetition runs plain, lookahead, deferred for K = 1, then for K = 4 (interleaved: drift on a
-shared machine hits all three alike); the ratio of a mode is divided by plain's in the same repetition and K
-(paired), and the table shows the median and min–max over repetitions; beside it the same ratio of each fit's median
-single step, and the fastest fit of the mode over the fastest plain fit. On a shared VM a fit's time per step can
-swing by ±20 % between neighbouring fits of the same method, with CPU time alike (not descheduling): the ranges
-say how far one median can be trusted.
+Timing, in lockstep pairs: a callback stamps ``time.perf_counter()`` and ``time.process_time()`` at the end of every
+batch after which the optimizer stepped, inside the fit. Each repetition starts two child processes pinned to one CPU
+(the CPUs alternate with the repetition; gloo's threads inherit the pin): one runs plain DDP's fits, the other
+lookahead's, deferred's and plain's again (the control pair), K = 1 then K = 4, each fit beside a plain one. The two
+fits of a pair take turns at every optimizer step (``Baton``: a byte through a pipe), so exactly one of them runs at a
+time and each step is timed from its turn's start to its end stamp; which side goes first alternates. The ratio of a
+pair is the method's timed steps over plain's (the median single step's ratio beside it), and the table shows the
+median and min–max over repetitions. Why pairs in turns: on this shared VM a fit's time per step swings by ±20-50 %
+between neighbouring fits of the same code (whole fits compared one after the other gave medians that moved by
+±0.1-0.2 between runs of this script), while the swings last longer than a step or two and so hit both sides of a
+pair alike: the control pair's ratio stays within about ±2 % of 1. What a turn costs (the other process ran in
+between: cooler caches) it costs both sides.
 
-Profile (separate, untimed fits after the timed ones, 3 per method and K, interleaved; each cell reports the fastest,
-least disturbed one, and the JSON keeps all three): ``cProfile`` runs from the end of the warm-up steps to the end
-of the last step. A *package frame* is a function whose code lives under
+Profile (separate, untimed fits in this process after the timed pairs, 3 per method and K, interleaved; each cell
+reports the fastest, least disturbed one, and the JSON keeps all three): ``cProfile`` runs from the end of the
+warm-up steps to the end of the last step. A *package frame* is a function whose code lives under
 ``src/token_mean/``. The package's own host time is the time spent in package frames entered from outside the
 package (Lightning's strategy hooks, its fetcher reading the reader, DDP's reducer calling deferred's comm hook, the
 optimizer calling the step's closure), each counted with everything it calls, minus the *delegated* work plain DDP
@@ -48,9 +51,9 @@ cProfile inflates host time (about 2× here, more for many small calls: compare 
 timed and the profiled fits), so the profile's microseconds say *where* the time goes; the ratios come from the
 un-profiled timed fits. Plain DDP's profile holds no package frame (the timing callback calls no package code).
 
-    .venv/bin/python benchmarks/host_time.py            # ~2.5 min on 2 cores -> benchmarks/results/host_time.{json,md}
-    .venv/bin/python benchmarks/host_time.py --quick    # ~12 s: 40 steps, 1 repetition (temp folder)
-    .venv/bin/python benchmarks/host_time.py --repetitions 9 --steps 500
+    .venv/bin/python benchmarks/host_time.py            # ~3 min on 2 cores -> benchmarks/results/host_time.{json,md}
+    .venv/bin/python benchmarks/host_time.py --quick    # ~20 s: 40 steps, 1 repetition (temp folder)
+    .venv/bin/python benchmarks/host_time.py --repetitions 10 --steps 500
 
 Target (the issue): time per step ≤ 1.15 × plain DDP's at K = 1 and ≤ 1.10 × at K = 4, in both modes.
 """
@@ -60,10 +63,14 @@ from __future__ import annotations
 import argparse
 import cProfile
 import gc
+import json
 import os
 import pstats
 import re
+import resource
+import signal
 import statistics
+import subprocess
 import sys
 import time
 from collections import defaultdict
@@ -115,9 +122,10 @@ class Settings:
     profile_repetitions: int  # profiled fits per method and K; the fastest (least disturbed) one is reported
 
 
-FULL = Settings(steps=150, warmup_steps=20, repetitions=15, profile_repetitions=3)  # many short fits: a median of 15
-# pairs moves less with a neighbouring fit's swing than one of 5 long ones
+FULL = Settings(steps=200, warmup_steps=20, repetitions=6, profile_repetitions=3)  # a pair's ratio moves by ~1 %
+# from one repetition to the next (the control pair says so): six pairs per cell, three on each CPU of two
 QUICK = Settings(steps=40, warmup_steps=10, repetitions=1, profile_repetitions=1)
+PAIR_TIMEOUT_S = 600  # a repetition's pairs (both children are killed past it; each also ends itself: alarm)
 
 
 def cpu_seconds_busy() -> float | None:
@@ -207,24 +215,115 @@ def run_fit(method: str, accumulate: int, data: list[list[Batch]], settings: Set
     return clock
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# timed pairs: two processes, plain DDP and a method, taking turns step by step on one CPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class Baton:
+    """One side of a lockstep pair (``StepClock.at_step``): at the end of each optimizer step, hand the CPU to the
+    partner process and wait until it hands it back; each step is timed from that moment to its end stamp.
+
+    Both fits run their first step at once (untimed); the side that is not ``first`` then waits for the first
+    side's baton, so from the second step on exactly one of the two runs at a time, the other side's step n before
+    the first side's: a swing of the shared machine that lasts longer than a step or two hits both sides alike. The
+    first side runs the fit's last step and hands nothing back after it, so no baton is left over for the next
+    fit."""
+
+    def __init__(self, receive: int, send: int, first: bool, steps: int) -> None:
+        self.receive, self.send, self.first, self.steps = receive, send, first, steps
+        self.starts: list[tuple[float, float]] = []  # (wall, CPU) when the baton came back after step n
+
+    def __call__(self, step: int) -> None:
+        last = step == self.steps
+        if (step > 1 or self.first) and not (last and self.first):
+            os.write(self.send, b"x")
+        if last:
+            return
+        if not os.read(self.receive, 1):
+            raise RuntimeError("the partner process of this pair exited before its last step")
+        self.starts.append((time.perf_counter(), time.process_time()))
+
+
 @dataclass
-class Run:
+class Pair:
     accumulate: int
-    method: str
+    method: str  # the side measured against plain DDP ("plain" too: the control pair)
     repetition: int
-    seconds_per_step: float  # wall, mean over the timed steps
-    cpu_seconds_per_step: float  # time.process_time() (every thread of the process, gloo's included)
-    median_step_seconds: float  # median of the single timed steps (robust to a pause)
+    cpu: int  # the one CPU both processes were pinned to (-1: not pinned)
+    plain_seconds: list[float]  # each timed step, wall
+    mode_seconds: list[float]
+    plain_cpu_seconds: float  # process CPU over the timed steps (every thread of the process, gloo's included)
+    mode_cpu_seconds: float
+
+    @property
+    def ratio(self) -> float:
+        return sum(self.mode_seconds) / sum(self.plain_seconds)
+
+    @property
+    def cpu_ratio(self) -> float:
+        return self.mode_cpu_seconds / self.plain_cpu_seconds
+
+    @property
+    def median_step_ratio(self) -> float:
+        return statistics.median(self.mode_seconds) / statistics.median(self.plain_seconds)
 
 
-def timed_fit(method: str, accumulate: int, repetition: int, data: list[list[Batch]], settings: Settings) -> Run:
-    stamps = run_fit(method, accumulate, data, settings).stamps[settings.warmup_steps - 1 :]
-    timed = len(stamps) - 1
-    steps = [stamps[i + 1][0] - stamps[i][0] for i in range(timed)]
-    return Run(accumulate, method, repetition,
-               seconds_per_step=(stamps[-1][0] - stamps[0][0]) / timed,
-               cpu_seconds_per_step=(stamps[-1][1] - stamps[0][1]) / timed,
-               median_step_seconds=statistics.median(steps))
+def pair_fits(repetition: int) -> list[tuple[str, int, bool]]:
+    """A repetition's fits, in order: (the method against plain, K, whether plain's side goes first)."""
+    fits = [(method, accumulate) for accumulate in ACCUMULATIONS for method in (*METHODS[1:], "plain")]
+    return [(method, accumulate, (repetition + index) % 2 == 0) for index, (method, accumulate) in enumerate(fits)]
+
+
+def pair_child(plain_side: bool, repetition: int, settings: Settings, receive: int, send: int, cpu: int) -> None:
+    """One side of a repetition's pairs (``--pair-child``): its fits in turn with the partner's, their timed steps
+    as JSON on stdout."""
+    signal.alarm(PAIR_TIMEOUT_S)  # bounded even if the parent is gone and the partner waits for a turn forever
+    if cpu >= 0:  # -1: --unpinned
+        os.sched_setaffinity(0, {cpu})  # before any fit starts gloo's threads, which inherit it
+    timed = []
+    for method, accumulate, plain_first in pair_fits(repetition):
+        baton = Baton(receive, send, plain_first == plain_side, settings.steps)
+        clock = run_fit("plain" if plain_side else method, accumulate, make_data(settings.steps, accumulate),
+                        settings, baton)
+        # step n + 1 runs from the baton's return after step n to its own end stamp
+        steps = [(end[0] - start[0], end[1] - start[1])
+                 for start, end in zip(baton.starts, clock.stamps[1:], strict=True)]
+        steps = steps[settings.warmup_steps - 1 :]  # steps warmup + 1 .. steps
+        timed.append({"seconds": [wall for wall, _ in steps], "cpu": sum(cpu for _, cpu in steps)})
+    print("PAIR " + json.dumps(timed), flush=True)
+
+
+def timed_pairs(repetition: int, settings: Settings, cpu: int) -> list[Pair]:
+    """A repetition: two child processes pinned to ``cpu``, one running plain DDP's fits, the other the methods'
+    (``pair_fits``), each pair of fits taking turns step by step (``Baton``)."""
+    to_mode, from_plain = os.pipe()
+    to_plain, from_mode = os.pipe()
+    children = []
+    try:
+        for plain_side, receive, send in ((True, to_plain, from_plain), (False, to_mode, from_mode)):
+            children.append(subprocess.Popen(
+                [sys.executable, __file__, "--pair-child", str(int(plain_side)), str(repetition), str(settings.steps),
+                 str(settings.warmup_steps), str(receive), str(send), str(cpu)],
+                pass_fds=(receive, send), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True))
+    finally:
+        for fd in (to_mode, from_plain, to_plain, from_mode):
+            os.close(fd)  # the children hold them now: one side's exit is the other's end of file
+    results = []
+    try:
+        for child in children:
+            out, err = child.communicate(timeout=PAIR_TIMEOUT_S)
+            lines = [line for line in out.splitlines() if line.startswith("PAIR ")]
+            if child.returncode != 0 or not lines:
+                raise RuntimeError(f"a pair child exited {child.returncode}:\n{err[-3000:]}")
+            results.append(json.loads(lines[-1][len("PAIR ") :]))
+    finally:
+        for child in children:
+            if child.poll() is None:
+                child.kill()
+                child.wait()
+    return [Pair(accumulate, method, repetition, cpu, plain["seconds"], mode["seconds"], plain["cpu"], mode["cpu"])
+            for (method, accumulate, _), plain, mode in zip(pair_fits(repetition), *results, strict=True)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -489,31 +588,28 @@ def profile_all(settings: Settings, datasets: dict[int, list[list[Batch]]]) -> l
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def summarize(runs: list[Run]) -> list[dict[str, Any]]:
+def summarize(pairs: list[Pair]) -> list[dict[str, Any]]:
+    """Per K and method: the pairs' ratios (the method's side over plain's), median and range over repetitions."""
     rows = []
     for accumulate in ACCUMULATIONS:
-        cell = [r for r in runs if r.accumulate == accumulate]
-        plain = {r.repetition: r for r in cell if r.method == "plain"}
         for method in METHODS:
-            mine = [r for r in cell if r.method == method]
-            ratios = [r.seconds_per_step / plain[r.repetition].seconds_per_step for r in mine]
-            cpu_ratios = [r.cpu_seconds_per_step / plain[r.repetition].cpu_seconds_per_step for r in mine]
-            step_ratios = [r.median_step_seconds / plain[r.repetition].median_step_seconds for r in mine]
-            extra = [r.seconds_per_step - plain[r.repetition].seconds_per_step for r in mine]
+            mine = [p for p in pairs if p.accumulate == accumulate and p.method == method]
+            ratios = [p.ratio for p in mine]
+            cpu_ratios = [p.cpu_ratio for p in mine]
+            step_ratios = [p.median_step_ratio for p in mine]
+            mode_ms = [statistics.fmean(p.mode_seconds) * 1e3 for p in mine]
+            plain_ms = [statistics.fmean(p.plain_seconds) * 1e3 for p in mine]
             rows.append({
                 "accumulate": accumulate, "method": method,
-                "ms_per_step": statistics.median(r.seconds_per_step for r in mine) * 1e3,
-                "ms_per_step_min": min(r.seconds_per_step for r in mine) * 1e3,
-                "ms_per_step_max": max(r.seconds_per_step for r in mine) * 1e3,
-                "cpu_ms_per_step": statistics.median(r.cpu_seconds_per_step for r in mine) * 1e3,
+                "ms_per_step": statistics.median(mode_ms), "ms_per_step_min": min(mode_ms),
+                "ms_per_step_max": max(mode_ms), "plain_ms_per_step": statistics.median(plain_ms),
                 "ratio_median": statistics.median(ratios), "ratio_min": min(ratios), "ratio_max": max(ratios),
                 "ratios": ratios, "cpu_ratio_median": statistics.median(cpu_ratios),
                 "cpu_ratio_min": min(cpu_ratios), "cpu_ratio_max": max(cpu_ratios),
                 "median_step_ratio_median": statistics.median(step_ratios),
                 "median_step_ratio_min": min(step_ratios), "median_step_ratio_max": max(step_ratios),
-                "median_step_ms": statistics.median(r.median_step_seconds for r in mine) * 1e3,
-                "ratio_best": min(r.seconds_per_step for r in mine) / min(r.seconds_per_step for r in plain.values()),
-                "extra_us_per_step_median": statistics.median(extra) * 1e6,
+                "extra_us_per_step_median": statistics.median(
+                    m - q for m, q in zip(mode_ms, plain_ms, strict=True)) * 1e3,
             })
     return rows
 
@@ -543,21 +639,18 @@ def callee_name(key: Label) -> str:
 
 def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], profiles: list[Profile],
            split: dict[str, dict[str, float]], load_after: list[float], other_cores: float | None) -> str:
-    plain = {r["accumulate"]: r for r in rows if r["method"] == "plain"}
-    timing_headers = ["K", "method", "ms/step (median)", "ratio (median)", "min–max", "CPU ratio",
-                      "median-step ratio (min–max)", "best/best"]
+    timing_headers = ["K", "method (vs plain)", "ms/step: plain → method (median)", "ratio (median)", "min–max",
+                      "CPU ratio", "median-step ratio (min–max)"]
     timing = []
     for accumulate in ACCUMULATIONS:
-        p = plain[accumulate]
-        timing.append([accumulate, "plain", f"{p['ms_per_step']:.3f} ({p['ms_per_step_min']:.3f}–"
-                       f"{p['ms_per_step_max']:.3f}), CPU {p['cpu_ms_per_step']:.3f}", "1", "", "", "", ""])
-        for method in METHODS[1:]:
+        for method in (*METHODS[1:], "plain"):
             r = next(r for r in rows if r["accumulate"] == accumulate and r["method"] == method)
             timing.append([
-                accumulate, method, f"{r['ms_per_step']:.3f}", f"**{r['ratio_median']:.3f}**",
+                accumulate, "plain (control pair)" if method == "plain" else method,
+                f"{r['plain_ms_per_step']:.3f} → {r['ms_per_step']:.3f}", f"**{r['ratio_median']:.3f}**",
                 f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f}", f"{r['cpu_ratio_median']:.3f}",
                 f"{r['median_step_ratio_median']:.3f} ({r['median_step_ratio_min']:.3f}–"
-                f"{r['median_step_ratio_max']:.3f})", f"{r['ratio_best']:.3f}",
+                f"{r['median_step_ratio_max']:.3f})",
             ])
     by_key = {(p.method, p.accumulate): p for p in profiles}
     profile_rows = []
@@ -602,12 +695,14 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         "### Host time: seconds per optimizer step against plain DDPStrategy (one process, world size 1, gloo)",
         environment_markdown(env) + f" · load average {load_after[0]:.1f} at the end"
         + ("" if other_cores is None else f" · other processes used {other_cores:.2f} cores on average meanwhile"),
-        f"{settings.repetitions} interleaved repetitions (plain, lookahead, deferred per K); each fit"
-        f" {settings.steps} optimizer steps, timed after {settings.warmup_steps} warm-up steps, after one untimed"
-        " round of every fit. Ratio = mean time per step of the mode / plain DDP's in the same repetition; CPU ratio"
-        " the same for process CPU time; median-step ratio the same for each fit's median single step (a slow step"
-        " moves it least); best/best = the fastest fit of the mode / the fastest plain fit. Target: ≤ 1.15 at"
-        " K = 1, ≤ 1.10 at K = 4.",
+        f"{settings.repetitions} repetitions of lockstep pairs per K: plain DDP and the method in two processes"
+        + (" on every CPU (--unpinned)" if env["configuration"]["unpinned"] else
+           " pinned to one CPU (the CPUs alternate with the repetition)") + ", one fit each of"
+        f" {settings.steps} optimizer steps, taking turns step by step; the steps after the {settings.warmup_steps}"
+        " warm-up steps timed, each from its turn's start to its end. Ratio = the method's timed steps / plain's in"
+        " the same pair; the control pair runs plain against plain (what the measure itself shows for no"
+        " difference); CPU ratio the same for process CPU time; median-step ratio the same for the median single"
+        " step. Target: ≤ 1.15 at K = 1, ≤ 1.10 at K = 4.",
         markdown_table(timing_headers, timing),
         f"Profile (cProfile, separate fits of the same {settings.steps} steps, profiled after the warm-up; the fastest"
         f" of {settings.profile_repetitions} per cell): the"
@@ -646,11 +741,24 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
     return "\n\n".join(sections)
 
 
+def own_cpu_seconds() -> float:
+    """CPU seconds of this process and of its children that have exited (the pairs' fits)."""
+    children = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return time.process_time() + children.ru_utime + children.ru_stime
+
+
 def main() -> None:
+    if sys.argv[1:2] == ["--pair-child"]:  # one side of a timed pair (timed_pair)
+        plain_side, repetition, steps, warmup, receive, send, cpu = (int(value) for value in sys.argv[2:9])
+        quiet_lightning()
+        pair_child(bool(plain_side), repetition, Settings(steps, warmup, 1, 1), receive, send, cpu)
+        return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_output_arguments(parser, "host_time")  # --quick: 40 steps, 1 repetition, temp folder
-    parser.add_argument("--repetitions", type=int, help="interleaved repetitions (default 15; quick: 1)")
-    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 150; quick: 40)")
+    parser.add_argument("--repetitions", type=int, help="repetitions of the lockstep pairs (default 6; quick: 1)")
+    parser.add_argument("--steps", type=int, help="optimizer steps per fit (default 200; quick: 40)")
+    parser.add_argument("--unpinned", action="store_true",
+                        help="leave the pairs' processes on every CPU (the default pins both sides to one)")
     parser.add_argument("--profile-repetitions", type=int,
                         help="profiled fits per method and K, the fastest reported (default 3; quick: 1)")
     args = parser.parse_args()
@@ -668,23 +776,22 @@ def main() -> None:
         "model": "tests/_harness.py TokenModule: TokenNet Linear(5,6)-tanh-Linear(6,7), float32, SGD(lr=0.1,"
                  " momentum=0.9)",
         "data": "sft_batches('sft', 1 rank, (steps + 1)·K, seed=0) in float32, DataLoader(batch_size=None)",
-        "timing": "perf_counter / process_time at each stepping batch end; (last − after warm-up) / timed steps;"
-                  " ratio per repetition and K vs plain",
+        "timing": "lockstep pairs (plain and the method, two processes pinned to one CPU, taking turns each"
+                  " optimizer step); each timed step from its turn's start to its end (perf_counter, process_time);"
+                  " ratio = the method's timed steps / plain's in the same pair",
         "profile": "cProfile from the end of the warm-up to the last step, separate fits; package frames: code under"
                    " src/token_mean/; own = entries from outside minus delegated parent work (module docstring)",
         "package": PACKAGE,
         "quick": args.quick,
+        "unpinned": args.unpinned,
     })
-    started, busy_before, own_before = time.perf_counter(), cpu_seconds_busy(), time.process_time()
+    started, busy_before, own_before = time.perf_counter(), cpu_seconds_busy(), own_cpu_seconds()
     datasets = {accumulate: make_data(settings.steps, accumulate) for accumulate in ACCUMULATIONS}
-    for accumulate in ACCUMULATIONS:  # one untimed round first: the first fits of a process run slower
-        for method in METHODS:
-            timed_fit(method, accumulate, -1, datasets[accumulate], settings)
-    runs: list[Run] = []
+    cpus = sorted(os.sched_getaffinity(0))
+    pairs: list[Pair] = []
     for repetition in range(settings.repetitions):
-        for accumulate in ACCUMULATIONS:
-            for method in METHODS:  # interleaved: drift on a shared machine hits all three alike
-                runs.append(timed_fit(method, accumulate, repetition, datasets[accumulate], settings))
+        cpu = -1 if args.unpinned else cpus[repetition % len(cpus)]
+        pairs += timed_pairs(repetition, settings, cpu)  # with a plain pair: the control
         print(f"repetition {repetition + 1}/{settings.repetitions} done ({time.perf_counter() - started:.0f} s)",
               flush=True)
     profiles = profile_all(settings, datasets)
@@ -692,15 +799,15 @@ def main() -> None:
     busy_after = cpu_seconds_busy()
     # other processes' CPU while this ran, in cores (0: the machine was this run's alone; 1: one core busy with others)
     other_cores = None if busy_before is None or busy_after is None else round(
-        max(busy_after - busy_before - (time.process_time() - own_before), 0.0) / (time.perf_counter() - started), 2)
-    rows = summarize(runs)
+        max(busy_after - busy_before - (own_cpu_seconds() - own_before), 0.0) / (time.perf_counter() - started), 2)
+    rows = summarize(pairs)
     split = linear_split(profiles)
     ratios = {f"ratio_{r['method']}_K{r['accumulate']}": r["ratio_median"] for r in rows if r["method"] != "plain"}
     payload = {
         **ratios, "target": {"K1": 1.15, "K4": 1.10}, "environment": env, "load_average_after": load_after,
         "other_processes_cores": other_cores,
         "rows": rows, "profile": [asdict(p) for p in profiles], "profile_linear_split": split,
-        "runs": [asdict(r) for r in runs],
+        "pairs": [asdict(p) for p in pairs],
     }
     markdown = report(settings, env, rows, profiles, split, load_after, other_cores)
     write_results(json_path, markdown_path, payload, markdown)
