@@ -1,9 +1,10 @@
 """Host work per optimizer step as CPU instructions (callgrind): the host-time benchmark's fits, counted exactly.
 
-``host_time.py`` times the same fits, but on a shared VM a fit's time per step swings by ±20–50 % between
-neighbouring fits, so two versions of the package that differ by a few per cent cannot be told apart by time. An
-instruction count moves far less: two runs of the same code agree to about 0.1–0.4 % of a fit's count (the hash
-seed and the address layout fixed, the warm-up's objects frozen), load or no load. It is not time: cold code (a
+``host_time.py`` times the same fits in lockstep pairs against plain DDP, to about ±2 %; on a shared VM a whole fit's
+time per step swings by ±20–50 % between neighbouring fits, so two versions of the package run one after the other
+cannot be told apart by time alone. An instruction count moves far less: two runs of the same code agree to about
+0.1–0.4 % of a fit's count (the hash seed and the address layout fixed, the warm-up's objects frozen), load or no
+load. It is not time: cold code (a
 window's work runs once per step, between Lightning's) retires fewer instructions per cycle than Lightning's loop,
 so the time ratio exceeds the instruction ratio; read both.
 
