@@ -18,7 +18,9 @@ timed window is a mid-epoch one (lookahead reads the next window, as in steady s
 Timing, in lockstep pairs: a callback stamps ``time.perf_counter()`` and ``time.process_time()`` at the end of every
 batch after which the optimizer stepped, inside the fit. Each repetition starts two child processes pinned to one CPU
 (the CPUs alternate with the repetition; gloo's threads inherit the pin): one runs plain DDP's fits, the other
-lookahead's, deferred's and plain's again (the control pair), K = 1 then K = 4, each fit beside a plain one. The two
+lookahead's, deferred's, the floor's (``FloorModule``: plain DDP with a ``training_step`` that scales its own loss by
+its batch's count, the least an exact token mean adds) and plain's again (the control pair), K = 1 then K = 4, each
+fit beside a plain one. The two
 fits of a pair take turns at every optimizer step (``Baton``: a byte through a pipe), so exactly one of them runs at a
 time and each step is timed from its turn's start to its end stamp; which side goes first alternates. The ratio of a
 pair is the method's timed steps over plain's (the median single step's ratio beside it), and the table shows the
@@ -84,6 +86,7 @@ from typing import Any
 os.environ["OMP_NUM_THREADS"] = "1"  # before Lightning's launcher sets cores // processes torch threads
 
 import lightning.pytorch as pl
+import numpy
 import torch
 import torch.distributed as dist
 from _common import (
@@ -103,11 +106,13 @@ from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from torch.nn.parallel import DistributedDataParallel
 
 import token_mean
-from token_mean import TokenMeanDDPStrategy
+from token_mean import IGNORE_INDEX, TokenMeanDDPStrategy
 
 torch.set_num_threads(1)
 
 ACCUMULATIONS = (1, 4)
+FLOOR = "floor"  # plain DDP with FloorModule: the least an exact normalization adds (timed in pairs, not profiled)
+PAIRED = (*METHODS[1:], FLOOR, "plain")  # what each repetition times against plain DDP ("plain": the control pair)
 # a package frame: code in a file under this folder (the package imported: run with PYTHONPATH=src to measure the
 # checkout's own sources; the JSON records which folder it was)
 PACKAGE = str(Path(token_mean.__file__).resolve().parent) + os.sep
@@ -143,6 +148,21 @@ def make_strategy(method: str) -> Strategy:
     if method == "plain":
         return DDPStrategy(process_group_backend="gloo")
     return TokenMeanDDPStrategy(mode=method, process_group_backend="gloo")
+
+
+class FloorModule(TokenModule):
+    """The least any exact token mean adds to plain DDP's step here: ``training_step`` scales its loss by its own
+    batch's count, read with numpy from the CPU labels (one multiplication, and its backward). No sum over ranks
+    (world size 1 needs none, and the package skips its record's all-reduce there too), no check, no record: what a
+    user who hard-codes the normalization for one process would write. The scale's value does not matter here."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        count = int(numpy.count_nonzero(batch["labels"].numpy() != IGNORE_INDEX))
+        return loss * (count / FLOOR_ITEMS)
+
+
+FLOOR_ITEMS = 16.0  # about a micro-batch's valid labels: the floor's loss scale stays near 1
 
 
 def make_data(steps: int, accumulate: int) -> list[list[Batch]]:
@@ -206,10 +226,10 @@ def clean_fit() -> Iterator[None]:
 def run_fit(method: str, accumulate: int, data: list[list[Batch]], settings: Settings,
             at_step: Callable[[int], None] | None = None) -> StepClock:
     clock = StepClock(at_step)
-    module = TokenModule(data, dtype=torch.float32, lr=0.1, momentum=0.9)
+    module = (FloorModule if method == FLOOR else TokenModule)(data, dtype=torch.float32, lr=0.1, momentum=0.9)
     with clean_fit():
-        train(module, make_strategy(method), 1, callbacks=[clock], accumulate_grad_batches=accumulate,
-              max_steps=settings.steps)
+        train(module, make_strategy("plain" if method == FLOOR else method), 1, callbacks=[clock],
+              accumulate_grad_batches=accumulate, max_steps=settings.steps)
     if len(clock.stamps) != settings.steps:
         raise RuntimeError(f"{method} K={accumulate}: {settings.steps} steps expected, {len(clock.stamps)} ran")
     return clock
@@ -271,7 +291,7 @@ class Pair:
 
 def pair_fits(repetition: int) -> list[tuple[str, int, bool]]:
     """A repetition's fits, in order: (the method against plain, K, whether plain's side goes first)."""
-    fits = [(method, accumulate) for accumulate in ACCUMULATIONS for method in (*METHODS[1:], "plain")]
+    fits = [(method, accumulate) for accumulate in ACCUMULATIONS for method in PAIRED]
     return [(method, accumulate, (repetition + index) % 2 == 0) for index, (method, accumulate) in enumerate(fits)]
 
 
@@ -592,7 +612,7 @@ def summarize(pairs: list[Pair]) -> list[dict[str, Any]]:
     """Per K and method: the pairs' ratios (the method's side over plain's), median and range over repetitions."""
     rows = []
     for accumulate in ACCUMULATIONS:
-        for method in METHODS:
+        for method in PAIRED:
             mine = [p for p in pairs if p.accumulate == accumulate and p.method == method]
             ratios = [p.ratio for p in mine]
             cpu_ratios = [p.cpu_ratio for p in mine]
@@ -643,10 +663,10 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
                       "CPU ratio", "median-step ratio (min–max)"]
     timing = []
     for accumulate in ACCUMULATIONS:
-        for method in (*METHODS[1:], "plain"):
+        for method in PAIRED:
             r = next(r for r in rows if r["accumulate"] == accumulate and r["method"] == method)
             timing.append([
-                accumulate, "plain (control pair)" if method == "plain" else method,
+                accumulate, {"plain": "plain (control pair)", FLOOR: "floor (a count and a scale)"}.get(method, method),
                 f"{r['plain_ms_per_step']:.3f} → {r['ms_per_step']:.3f}", f"**{r['ratio_median']:.3f}**",
                 f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f}", f"{r['cpu_ratio_median']:.3f}",
                 f"{r['median_step_ratio_median']:.3f} ({r['median_step_ratio_min']:.3f}–"
@@ -701,7 +721,9 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         f" {settings.steps} optimizer steps, taking turns step by step; the steps after the {settings.warmup_steps}"
         " warm-up steps timed, each from its turn's start to its end. Ratio = the method's timed steps / plain's in"
         " the same pair; the control pair runs plain against plain (what the measure itself shows for no"
-        " difference); CPU ratio the same for process CPU time; median-step ratio the same for the median single"
+        " difference); the floor is plain DDP with a training_step that scales its loss by its batch's count, read"
+        " with numpy (one multiplication and its backward; no sum over ranks, no check): the least an exact token mean"
+        " adds to this step; CPU ratio the same for process CPU time; median-step ratio the same for the median single"
         " step. Target: ≤ 1.15 at K = 1, ≤ 1.10 at K = 4.",
         markdown_table(timing_headers, timing),
         f"Profile (cProfile, separate fits of the same {settings.steps} steps, profiled after the warm-up; the fastest"

@@ -92,8 +92,9 @@ def test_host_time_quick(tmp_path: Path) -> None:
     payload = run_script("host_time", tmp_path)
     methods = ("plain", "lookahead", "deferred")
     expected = {(k, method) for k in (1, 4) for method in methods}
-    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected
-    for mode in methods[1:]:
+    # timed in pairs against plain DDP: the modes, the floor, and plain itself (the control pair)
+    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected | {(1, "floor"), (4, "floor")}
+    for mode in (*methods[1:], "floor"):
         for k in (1, 4):
             value = payload[f"ratio_{mode}_K{k}"]
             assert isinstance(value, float) and value > 0, (mode, k, value)
