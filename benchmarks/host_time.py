@@ -288,6 +288,14 @@ class Pair:
     def median_step_ratio(self) -> float:
         return statistics.median(self.mode_seconds) / statistics.median(self.plain_seconds)
 
+    def summary(self) -> dict[str, Any]:
+        """What the JSON keeps of a pair (not every step's time: 400 floats a pair)."""
+        return {"accumulate": self.accumulate, "method": self.method, "repetition": self.repetition, "cpu": self.cpu,
+                "timed_steps": len(self.mode_seconds), "plain_seconds": sum(self.plain_seconds),
+                "mode_seconds": sum(self.mode_seconds), "plain_median_step": statistics.median(self.plain_seconds),
+                "mode_median_step": statistics.median(self.mode_seconds), "plain_cpu_seconds": self.plain_cpu_seconds,
+                "mode_cpu_seconds": self.mode_cpu_seconds, "ratio": self.ratio}
+
 
 def pair_fits(repetition: int) -> list[tuple[str, int, bool]]:
     """A repetition's fits, in order: (the method against plain, K, whether plain's side goes first)."""
@@ -829,7 +837,7 @@ def main() -> None:
         **ratios, "target": {"K1": 1.15, "K4": 1.10}, "environment": env, "load_average_after": load_after,
         "other_processes_cores": other_cores,
         "rows": rows, "profile": [asdict(p) for p in profiles], "profile_linear_split": split,
-        "pairs": [asdict(p) for p in pairs],
+        "pairs": [p.summary() for p in pairs],
     }
     markdown = report(settings, env, rows, profiles, split, load_after, other_cores)
     write_results(json_path, markdown_path, payload, markdown)
