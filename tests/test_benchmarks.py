@@ -6,7 +6,10 @@ The cost counts themselves are pinned in ``test_cost.py``.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -20,13 +23,26 @@ RESULTS = BENCHMARKS / "results"
 EXACT = 1e-12
 
 
+def run_bounded(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
+    """``command`` in its own session, bounded in time: whatever it started (gloo workers, host_time's pairs) is
+    killed with its session when it exits or times out."""
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               start_new_session=True)
+    try:
+        out, err = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return subprocess.CompletedProcess(command, process.returncode, out, err)
+
+
 def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
     out = tmp_path / f"{name}.json"
     markdown = tmp_path / f"{name}.md"
-    completed = subprocess.run(
+    completed = run_bounded(
         [sys.executable, str(BENCHMARKS / f"{name}.py"), "--quick", "--json", str(out), "--markdown", str(markdown),
-         *args],
-        capture_output=True, text=True, timeout=180,
+         *args]
     )
     assert completed.returncode == 0, f"{name}.py exited {completed.returncode}:\n{completed.stderr[-3000:]}"
     assert markdown.read_text().count("|") > 10, "no markdown table written"
@@ -167,9 +183,7 @@ def test_scale_model_quick(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_quick_runs_never_write_the_recorded_results() -> None:
     before = {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()}
-    completed = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "scale_model.py"), "--quick"], capture_output=True, text=True, timeout=180
-    )
+    completed = run_bounded([sys.executable, str(BENCHMARKS / "scale_model.py"), "--quick"])
     assert completed.returncode == 0, completed.stderr[-3000:]
     wrote = completed.stdout.strip().splitlines()[-1]
     assert wrote.startswith("wrote ") and str(RESULTS) not in wrote, wrote
@@ -181,9 +195,7 @@ def test_quick_runs_never_write_the_recorded_results() -> None:
 def test_gpu_step_quick() -> None:
     """The GPU benchmark's CPU smoke run (tiny model, 2 gloo processes), with its default paths: a temporary folder."""
     before = {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()}
-    completed = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_step.py"), "--quick"], capture_output=True, text=True, timeout=180
-    )
+    completed = run_bounded([sys.executable, str(BENCHMARKS / "gpu_step.py"), "--quick"])
     assert completed.returncode == 0, completed.stderr[-3000:]
     wrote = [line for line in completed.stdout.splitlines() if line.startswith("wrote ")]
     assert len(wrote) == 1 and str(RESULTS) not in wrote[0], wrote
@@ -204,9 +216,7 @@ def test_gpu_step_quick() -> None:
 @pytest.mark.slow
 @pytest.mark.skipif(cuda_devices() > 0, reason="the refusal only happens without CUDA")
 def test_gpu_step_refuses_to_run_without_cuda() -> None:
-    completed = subprocess.run(
-        [sys.executable, str(BENCHMARKS / "gpu_step.py")], capture_output=True, text=True, timeout=180
-    )
+    completed = run_bounded([sys.executable, str(BENCHMARKS / "gpu_step.py")])
     assert completed.returncode == 2, completed.stderr[-3000:]
     assert "no CUDA device" in completed.stderr and "--quick" in completed.stderr
 
