@@ -724,7 +724,7 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         environment_markdown(env) + f" · load average {load_after[0]:.1f} at the end"
         + ("" if other_cores is None else f" · other processes used {other_cores:.2f} cores on average meanwhile"),
         f"{settings.repetitions} repetitions of lockstep pairs per K: plain DDP and the method in two processes"
-        + (" on every CPU (--unpinned)" if env["configuration"]["unpinned"] else
+        + (" on every CPU (unpinned)" if env["configuration"]["unpinned"] else
            " pinned to one CPU (the CPUs alternate with the repetition)") + ", one fit each of"
         f" {settings.steps} optimizer steps, taking turns step by step; the steps after the {settings.warmup_steps}"
         " warm-up steps timed, each from its turn's start to its end. Ratio = the method's timed steps / plain's in"
@@ -799,6 +799,8 @@ def main() -> None:
                         args.profile_repetitions or settings.profile_repetitions)
     if settings.steps <= settings.warmup_steps:
         parser.error(f"--steps must exceed the {settings.warmup_steps} warm-up steps")
+    # where the OS cannot pin a process (macOS), the pairs run unpinned, as with --unpinned (the JSON says so)
+    unpinned = args.unpinned or not hasattr(os, "sched_setaffinity")
     env = environment({
         **asdict(settings), "accumulations": list(ACCUMULATIONS), "methods": list(METHODS),
         "process": "one process, Trainer(accelerator='cpu', devices=1), world size 1, gloo, Lightning's default"
@@ -813,14 +815,14 @@ def main() -> None:
                    " src/token_mean/; own = entries from outside minus delegated parent work (module docstring)",
         "package": PACKAGE,
         "quick": args.quick,
-        "unpinned": args.unpinned,
+        "unpinned": unpinned,
     })
     started, busy_before, own_before = time.perf_counter(), cpu_seconds_busy(), own_cpu_seconds()
     datasets = {accumulate: make_data(settings.steps, accumulate) for accumulate in ACCUMULATIONS}
-    cpus = sorted(os.sched_getaffinity(0))
+    cpus = [-1] if unpinned else sorted(os.sched_getaffinity(0))
     pairs: list[Pair] = []
     for repetition in range(settings.repetitions):
-        cpu = -1 if args.unpinned else cpus[repetition % len(cpus)]
+        cpu = cpus[repetition % len(cpus)]
         pairs += timed_pairs(repetition, settings, cpu)  # with a plain pair: the control
         print(f"repetition {repetition + 1}/{settings.repetitions} done ({time.perf_counter() - started:.0f} s)",
               flush=True)
