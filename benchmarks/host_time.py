@@ -50,8 +50,8 @@ delegated). "Python" is the self time of package frames, "callees" the rest (tor
 micro-batch = own / (steps · K); fixed + per-micro-batch = the line through K = 1 and K = 4. The top functions are
 ranked by self time per window, with their self time plus their direct non-delegated non-package callees beside it.
 cProfile inflates host time (about 2× here, more for many small calls: compare the "mode − plain" columns of the
-timed and the profiled fits), so the profile's microseconds say *where* the time goes; the ratios come from the
-un-profiled timed fits. Plain DDP's profile holds no package frame (the timing callback calls no package code).
+timed pairs and the profiled fits), so the profile's microseconds say *where* the time goes; the ratios come from the
+un-profiled timed pairs. Plain DDP's profile holds no package frame (the timing callback calls no package code).
 
     .venv/bin/python benchmarks/host_time.py            # ~3 min on 2 cores -> benchmarks/results/host_time.{json,md}
     .venv/bin/python benchmarks/host_time.py --quick    # ~20 s: 40 steps, 1 repetition (temp folder)
@@ -123,7 +123,7 @@ Label = tuple[str, int, str]  # cProfile's key of a Python function: (file, firs
 class Settings:
     steps: int  # optimizer steps per fit (Trainer max_steps)
     warmup_steps: int  # the first steps, not timed (and not profiled)
-    repetitions: int  # interleaved plain/lookahead/deferred rounds per K
+    repetitions: int  # rounds of lockstep pairs (every method against plain, per K)
     profile_repetitions: int  # profiled fits per method and K; the fastest (least disturbed) one is reported
 
 
@@ -595,7 +595,7 @@ def profile_all(settings: Settings, datasets: dict[int, list[list[Batch]]]) -> l
         for accumulate in ACCUMULATIONS for method in METHODS[1:]
     }
     every: dict[tuple[str, int], list[Profile]] = defaultdict(list)
-    for _ in range(settings.profile_repetitions):  # interleaved, as the timed fits
+    for _ in range(settings.profile_repetitions):  # interleaved: drift hits every method alike
         for accumulate in ACCUMULATIONS:
             for method in METHODS:
                 stats = profiled_fit(method, accumulate, datasets[accumulate], settings)
