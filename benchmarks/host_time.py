@@ -19,16 +19,16 @@ Timing, in lockstep pairs: a callback stamps ``time.perf_counter()`` and ``time.
 batch after which the optimizer stepped, inside the fit. Each repetition starts two child processes pinned to one CPU
 (the CPUs alternate with the repetition; gloo's threads inherit the pin): one runs plain DDP's fits, the other
 lookahead's, deferred's, the floor's (``FloorModule``: plain DDP with a ``training_step`` that scales its own loss by
-its batch's count, the least an exact token mean adds) and plain's again (the control pair), K = 1 then K = 4, each
-fit beside a plain one. The two
-fits of a pair take turns at every optimizer step (``Baton``: a byte through a pipe), so exactly one of them runs at a
-time and each step is timed from its turn's start to its end stamp; which side goes first alternates. The ratio of a
-pair is the method's timed steps over plain's (the median single step's ratio beside it), and the table shows the
-median and min–max over repetitions. Why pairs in turns: on this shared VM a fit's time per step swings by ±20-50 %
-between neighbouring fits of the same code (whole fits compared one after the other gave medians that moved by
-±0.1-0.2 between runs of this script), while the swings last longer than a step or two and so hit both sides of a
-pair alike: the control pair's ratio stays within about ±2 % of 1. What a turn costs (the other process ran in
-between: cooler caches) it costs both sides.
+its batch's count, the least an exact token mean adds), the floor with a window record (``RecordFloorModule``: the
+window's loss sum read on the host once, the least a logged window loss adds to that) and plain's again (the control
+pair), K = 1 then K = 4, each fit beside a plain one. The two fits of a pair take turns at every optimizer step
+(``Baton``: a byte through a pipe), so exactly one of them runs at a time and each step is timed from its turn's start
+to its end stamp; which side goes first alternates. The ratio of a pair is the method's timed steps over plain's (the
+median single step's ratio beside it), and the table shows the median and min–max over repetitions. Why pairs in turns:
+on this shared VM a fit's time per step swings by ±20-50 % between neighbouring fits of the same code (whole fits
+compared one after the other gave medians that moved by ±0.1-0.2 between runs of this script), while the swings last
+longer than a step or two and so hit both sides of a pair alike: the control pair's ratio stays within about ±2 % of 1.
+What a turn costs (the other process ran in between: cooler caches) it costs both sides.
 
 Profile (separate, untimed fits in this process after the timed pairs, 3 per method and K, interleaved; each cell
 reports the fastest, least disturbed one, and the JSON keeps all three): ``cProfile`` runs from the end of the
@@ -103,6 +103,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.loops.optimization.automatic import Closure
 from lightning.pytorch.strategies import DDPStrategy, Strategy
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from torch import Tensor
 from torch.nn.parallel import DistributedDataParallel
 
 import token_mean
@@ -112,7 +113,8 @@ torch.set_num_threads(1)
 
 ACCUMULATIONS = (1, 4)
 FLOOR = "floor"  # plain DDP with FloorModule: the least an exact normalization adds (timed in pairs, not profiled)
-PAIRED = (*METHODS[1:], FLOOR, "plain")  # what each repetition times against plain DDP ("plain": the control pair)
+RECORD_FLOOR = "floor_record"  # the floor and a minimal window record (RecordFloorModule)
+PAIRED = (*METHODS[1:], FLOOR, RECORD_FLOOR, "plain")  # timed against plain DDP ("plain": the control pair)
 # a package frame: code in a file under this folder (the package imported: run with PYTHONPATH=src to measure the
 # checkout's own sources; the JSON records which folder it was)
 PACKAGE = str(Path(token_mean.__file__).resolve().parent) + os.sep
@@ -159,10 +161,36 @@ class FloorModule(TokenModule):
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         loss = super().training_step(batch, batch_idx)
         count = int(numpy.count_nonzero(batch["labels"].numpy() != IGNORE_INDEX))
+        self.counted(loss, float(count), batch_idx)
         return loss * (count / FLOOR_ITEMS)
+
+    def counted(self, loss: Tensor, count: float, batch_idx: int) -> None:
+        """The micro-batch at ``batch_idx`` had ``count`` items and ``loss`` (nothing more in the floor)."""
+
+
+class RecordFloorModule(FloorModule):
+    """The floor, and the least a window's record adds to it: each micro-batch's loss (detached) and count kept, and
+    after the window's last forward their sum, Σ n·loss, in one stack, one copy to float64 and one product, read on
+    the host once (what a logged window loss needs). No sum over ranks, no check, no stats object, no read-ahead."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._losses: list[Tensor] = []
+        self._counts: list[float] = []
+        self.window_loss_sum = 0.0
+
+    def counted(self, loss: Tensor, count: float, batch_idx: int) -> None:
+        self._losses.append(loss.detach())
+        self._counts.append(count)
+        if (batch_idx + 1) % self.trainer.accumulate_grad_batches == 0:  # no short last window here (make_data)
+            weights = torch.tensor(self._counts, dtype=torch.float64)
+            self.window_loss_sum = (torch.stack(self._losses).to(torch.float64) @ weights).item()
+            self._losses.clear()
+            self._counts.clear()
 
 
 FLOOR_ITEMS = 16.0  # about a micro-batch's valid labels: the floor's loss scale stays near 1
+FLOORS = {FLOOR: FloorModule, RECORD_FLOOR: RecordFloorModule}  # timed in pairs against plain DDP, not profiled
 
 
 def make_data(steps: int, accumulate: int) -> list[list[Batch]]:
@@ -226,9 +254,9 @@ def clean_fit() -> Iterator[None]:
 def run_fit(method: str, accumulate: int, data: list[list[Batch]], settings: Settings,
             at_step: Callable[[int], None] | None = None) -> StepClock:
     clock = StepClock(at_step)
-    module = (FloorModule if method == FLOOR else TokenModule)(data, dtype=torch.float32, lr=0.1, momentum=0.9)
+    module = FLOORS.get(method, TokenModule)(data, dtype=torch.float32, lr=0.1, momentum=0.9)
     with clean_fit():
-        train(module, make_strategy("plain" if method == FLOOR else method), 1, callbacks=[clock],
+        train(module, make_strategy("plain" if method in FLOORS else method), 1, callbacks=[clock],
               accumulate_grad_batches=accumulate, max_steps=settings.steps)
     if len(clock.stamps) != settings.steps:
         raise RuntimeError(f"{method} K={accumulate}: {settings.steps} steps expected, {len(clock.stamps)} ran")
@@ -665,6 +693,10 @@ def callee_name(key: Label) -> str:
     return f"{re.sub(r'.*/(site-packages|lib/python3[.][0-9]+)/', '', key[0])}:{key[1]}({key[2]})"
 
 
+LABELS = {"plain": "plain (control pair)", FLOOR: "floor (a count and a scale)",
+          RECORD_FLOOR: "floor + record (and a window sum read)"}
+
+
 def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], profiles: list[Profile],
            split: dict[str, dict[str, float]], load_after: list[float], other_cores: float | None) -> str:
     timing_headers = ["K", "method (vs plain)", "ms/step: plain → method (median)", "ratio (median)", "min–max",
@@ -674,7 +706,7 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         for method in PAIRED:
             r = next(r for r in rows if r["accumulate"] == accumulate and r["method"] == method)
             timing.append([
-                accumulate, {"plain": "plain (control pair)", FLOOR: "floor (a count and a scale)"}.get(method, method),
+                accumulate, LABELS.get(method, method),
                 f"{r['plain_ms_per_step']:.3f} → {r['ms_per_step']:.3f}", f"**{r['ratio_median']:.3f}**",
                 f"{r['ratio_min']:.3f}–{r['ratio_max']:.3f}", f"{r['cpu_ratio_median']:.3f}",
                 f"{r['median_step_ratio_median']:.3f} ({r['median_step_ratio_min']:.3f}–"
@@ -731,7 +763,9 @@ def report(settings: Settings, env: dict[str, Any], rows: list[dict[str, Any]], 
         " the same pair; the control pair runs plain against plain (what the measure itself shows for no"
         " difference); the floor is plain DDP with a training_step that scales its loss by its batch's count, read"
         " with numpy (one multiplication and its backward; no sum over ranks, no check): the least an exact token mean"
-        " adds to this step; CPU ratio the same for process CPU time; median-step ratio the same for the median single"
+        " adds to this step; floor + record adds what a window's loss sum needs (each micro-batch's loss kept, after"
+        " the window's last forward one stack, one float64 copy and one product with the counts, read on the host"
+        " once); CPU ratio the same for process CPU time; median-step ratio the same for the median single"
         " step. Target: ≤ 1.15 at K = 1, ≤ 1.10 at K = 4.",
         markdown_table(timing_headers, timing),
         f"Profile (cProfile, separate fits of the same {settings.steps} steps, profiled after the warm-up; the fastest"

@@ -108,9 +108,11 @@ def test_host_time_quick(tmp_path: Path) -> None:
     payload = run_script("host_time", tmp_path)
     methods = ("plain", "lookahead", "deferred")
     expected = {(k, method) for k in (1, 4) for method in methods}
-    # timed in pairs against plain DDP: the modes, the floor, and plain itself (the control pair)
-    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected | {(1, "floor"), (4, "floor")}
-    for mode in (*methods[1:], "floor"):
+    # timed in pairs against plain DDP: the modes, the floors, and plain itself (the control pair)
+    floors = ("floor", "floor_record")
+    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected | {(k, f) for k in (1, 4)
+                                                                                    for f in floors}
+    for mode in (*methods[1:], *floors):
         for k in (1, 4):
             value = payload[f"ratio_{mode}_K{k}"]
             assert isinstance(value, float) and value > 0, (mode, k, value)
