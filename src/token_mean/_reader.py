@@ -68,17 +68,15 @@ class _Held(NamedTuple):
 
 
 def _storages(batch: Any) -> _Memory:
-    tensors = _tensors(batch)
-    fingerprint = _fingerprint(tensors)
-    spans = []  # a loop, not a comprehension: one frame less per batch read
-    for (start, stop), (tensor, version) in zip(_torch.spans(tensors), fingerprint, strict=True):
+    spans: list[tuple[int, int, int, int]] = []
+    fingerprint: list[tuple[int, int]] = []
+    for tensor in _tensors(batch):  # one pass, no intermediate lists: this runs for every batch read
+        start, stop, version = _torch.memory(tensor)
+        key = (id(tensor), version)
+        fingerprint.append(key)
         if start != stop:
-            spans.append((start, stop, tensor, version))
-    return _Memory(tuple(spans), fingerprint)
-
-
-def _fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
-    return tuple(zip(map(id, tensors), _torch.versions(tensors), strict=True))
+            spans.append((start, stop, *key))
+    return _Memory(tuple(spans), tuple(fingerprint))
 
 
 _LEAVES = (int, float, bool, str, bytes, type(None))
@@ -329,7 +327,13 @@ class _Memories:
     def unchanged(self, batch: Any) -> bool:
         # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
         current = self.current.fingerprint
-        return bool(current) and _fingerprint(_tensors(batch)) == current
+        tensors = _tensors(batch)
+        if not current or len(tensors) != len(current):
+            return False
+        for tensor, (identity, version) in zip(tensors, current, strict=True):  # a loop: it runs for every batch
+            if id(tensor) != identity or _torch.version(tensor) != version:
+                return False
+        return True
 
 
 class _Source:

@@ -161,11 +161,15 @@ def to_device(values: list[float] | list[int] | array.array[float], dtype: torch
     return host.to(device, non_blocking=True)
 
 
-def spans(tensors: list[Tensor]) -> list[tuple[int, int]]:
-    """The bytes ``[data_ptr, data_ptr + extent)`` each tensor's elements reach (its strides included; non-negative
-    strides); an empty tensor reaches none."""
-    return [(start, start + (tensor.nbytes if tensor.is_contiguous() else _extent(tensor)))
-            for tensor in tensors for start in (tensor.data_ptr(),)]
+def memory(tensor: Tensor) -> tuple[int, int, int]:
+    """The bytes ``[data_ptr, data_ptr + extent)`` the tensor's elements reach (its strides included; non-negative
+    strides; an empty tensor reaches none) and its :func:`version`: what the reader notes of every tensor it reads,
+    in one call (it runs for each tensor of each batch).
+
+    Relies on: ``Tensor._version`` as :func:`version` says.
+    """
+    start = tensor.data_ptr()
+    return start, start + (tensor.nbytes if tensor.is_contiguous() else _extent(tensor)), tensor._version
 
 
 def _extent(tensor: Tensor) -> int:
@@ -212,12 +216,7 @@ def version(tensor: Tensor) -> int:
     Relies on: ``Tensor._version``, autograd's counter, shared by a tensor and its views and bumped by in-place ops
     and ``copy_`` (not by writes through a NumPy array or a raw pointer).
     """
-    return int(tensor._version)
-
-
-def versions(tensors: list[Tensor]) -> list[int]:
-    """:func:`version` of each tensor."""
-    return [tensor._version for tensor in tensors]
+    return tensor._version
 
 
 __all__ = [
@@ -228,14 +227,13 @@ __all__ = [
     "fsdp_parameter_pairs",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
+    "memory",
     "multiply_",
     "norms",
     "premul_sum",
     "rebuild_ddp_buckets",
     "shadow_ddp_backward",
-    "spans",
     "start_all_reduce",
     "to_device",
     "version",
-    "versions",
 ]
