@@ -618,3 +618,24 @@ def test_unchanged_is_the_very_tensors_handed_out_last_at_their_versions() -> No
     assert not reader.unchanged({"labels": labels.clone()})
     labels[0] = -100  # a hook that writes the labels in place
     assert not reader.unchanged(batch)
+
+
+def test_a_strided_view_reaches_every_byte_between_its_first_and_last_element() -> None:
+    buffer = torch.arange(12).reshape(3, 4)
+    column = buffer[:, 0]  # elements 0, 4, 8: non-contiguous, it reaches bytes [0, 9 elements)
+    inside, after = buffer[1, 1:], buffer[2, 1:]  # elements 5..7 (between the column's), 9..11 (past it)
+    reader = Reader(FakeLoader([{"labels": column}, {"labels": after}, {"labels": inside}]))
+    begin(reader, 3)
+    reader.read_ahead(3, in_flight=False)
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, True]
+
+
+def test_unchanged_is_false_for_another_number_of_tensors_and_before_any_batch() -> None:
+    labels, mask = torch.tensor([1, -100]), torch.tensor([1, 0])
+    reader = Reader(FakeLoader([{"labels": labels}]))
+    assert not reader.unchanged({"labels": labels})  # nothing handed out yet
+    epoch = begin(reader, 1)
+    epoch.next_item()
+    assert reader.unchanged({"labels": labels})
+    assert not reader.unchanged({"labels": labels, "mask": mask})
+    assert not reader.unchanged({})
