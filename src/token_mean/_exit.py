@@ -10,7 +10,9 @@ interpreter finalizes, last registered first. Destroying is not enough: the DDP 
 sit in reference cycles that hold the group, so the handler collects them too, and the group's destructor joins its
 threads while the interpreter is whole. (The package's own DDP hook keeps its state weakly for the same reason:
 ``_ddp.InReduction``.) A DDP-wrapped model the user's own code still holds keeps the group alive past this point.
-Forked and spawned workers leave with ``os._exit``, which runs no ``atexit`` handler and does not finalize either.
+The handler collects also when the group was destroyed before it ran (a script's own ``destroy_process_group()`` at
+the end of training, which torch recommends, leaves the same cycles). Spawned workers finalize as a script does, so
+the handler runs there too; forked workers leave with ``os._exit``, which runs no handler and does not finalize.
 """
 
 from __future__ import annotations
@@ -34,4 +36,6 @@ def destroy_process_group_at_exit() -> None:
 def _destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-        gc.collect()  # the unreachable wrappers' cycles: the group's last references (module docstring)
+    # Also when the user's code destroyed the group itself, as torch asks scripts to: that only unregistered it, and
+    # the unreachable wrappers' cycles still hold it (module docstring). A full collection at exit: ~10-100 ms once.
+    gc.collect()

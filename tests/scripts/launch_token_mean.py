@@ -19,7 +19,8 @@ stalls:
 
 Each process that trained writes OUT_DIR/exit-rank{r}.json as the interpreter begins to exit, after the package's
 own exit handler (``tests/_jobs.py``): whether the default process group was still registered then, and whether it
-was freed (the script itself never destroys it; a process that finalizes with a live gloo group aborts now and then).
+was freed (the script itself never destroys it, unless ``--destroy`` asks it to, as torch recommends, at the end of
+each fit; a process that finalizes with a live gloo group aborts now and then).
 
 Under popen and spawn the timeout also bounds the rendezvous, which waits for the child processes to import torch and
 Lightning (3 to 15 s on a busy 2-core machine): a 5 s timeout can fail there, before training starts. Forked workers
@@ -87,6 +88,22 @@ class RunInfo(Callback):
             (self.out / "run.json").write_text(json.dumps({**info, "num_nodes": trainer.num_nodes}))
 
 
+class DestroyProcessGroup(Callback):
+    """What torch asks a distributed script to do when it is done: destroy the default process group (``--destroy``).
+
+    The report notes the group first (it watches a group it saw while training), so it can say whether the
+    group destroyed here is also freed before the interpreter finalizes.
+    """
+
+    def __init__(self, report: ExitReport) -> None:
+        self.report = report
+
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        if torch.distributed.is_initialized():
+            self.report.trained(trainer.global_rank)
+            torch.distributed.destroy_process_group()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("out", type=Path)
@@ -98,6 +115,7 @@ def main() -> None:
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one process per node (torchrun)")
     parser.add_argument("--rank1", choices=("stall",), help="make rank 1 stop answering")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait (DDP's `timeout`)")
+    parser.add_argument("--destroy", action="store_true", help="destroy the process group after each fit")
     args = parser.parse_args()
     if args.start_method == "fork":
         torch.set_num_threads(1)  # an OpenMP pool that has run does not survive a fork
@@ -111,6 +129,8 @@ def main() -> None:
         kwargs: dict[str, Any] = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
         strategy: DDPStrategy
         callbacks: list[Callback] = [Recorder(out), RunInfo(out)]
+        if args.destroy:
+            callbacks.append(DestroyProcessGroup(report))
         if mode == "plain":
             strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo", **kwargs)
             callbacks.append(DenominatorMonitor())
