@@ -44,7 +44,7 @@ from _resume_helpers import (
 )
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.strategies import DDPStrategy
-from scripts.launch_token_mean import ACCUMULATE, EPOCHS, data
+from scripts.launch_token_mean import ACCUMULATE, EPOCHS, DestroyProcessGroup, data
 from torch import Tensor
 
 from token_mean import TokenMeanDDPStrategy
@@ -101,24 +101,11 @@ def test_plain_ddp_with_the_monitor_frees_its_process_group_before_exit(tmp_path
 def test_a_script_that_destroys_its_process_group_still_frees_it_before_exit(tmp_path: Path) -> None:
     """Torch asks scripts to destroy the group when done; that only unregisters it, and Lightning's dropped DDP
     wrappers still hold it (with its gloo threads) in reference cycles. The package's exit handler must free it then
-    too: before it did, this failed every run, and a spawned worker that destroyed its group aborted now and then."""
+    too: before it did, this failed every run, and a spawned worker that destroyed its group aborted now and then
+    (CI caught `test_spawn_launcher` so)."""
     run_job([script(tmp_path, "--mode", "deferred", "--destroy")], tmp_path / "logs")
     assert_matches_reference(tmp_path, ("deferred",))
     assert_process_group_destroyed_before_exit(tmp_path)
-
-
-class DestroyProcessGroup(Callback):
-    """What a distributed script does before it exits (torch warns when it does not).
-
-    A spawned worker, unlike a forked one, finalizes the interpreter on exit; a gloo process group left alive until
-    then can abort the worker there ("terminate called without an active exception"), after its fit has finished and
-    its results are written. Destroying it here only unregisters it: the package's exit handler frees it (CI once
-    caught this test aborting, when the handler collected only groups it destroyed itself).
-    """
-
-    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
 
 
 @pytest.mark.distributed

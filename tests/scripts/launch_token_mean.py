@@ -89,18 +89,22 @@ class RunInfo(Callback):
 
 
 class DestroyProcessGroup(Callback):
-    """What torch asks a distributed script to do when it is done: destroy the default process group (``--destroy``).
+    """What torch asks a distributed script to do when it is done: destroy the default process group (``--destroy``;
+    ``test_spawn_launcher`` too).
 
-    The report notes the group first (it watches a group it saw while training), so it can say whether the
-    group destroyed here is also freed before the interpreter finalizes.
+    Destroying only unregisters the group: Lightning's dropped DDP wrappers still hold it, with its gloo threads, and
+    the package's exit handler must free it before the interpreter finalizes (in a spawned worker too), or the
+    process aborts now and then after a finished fit. A `report` notes the group first (it watches a group it saw
+    while training), so it can say whether the group destroyed here was freed.
     """
 
-    def __init__(self, report: ExitReport) -> None:
+    def __init__(self, report: ExitReport | None = None) -> None:
         self.report = report
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if torch.distributed.is_initialized():
-            self.report.trained(trainer.global_rank)
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            if self.report is not None:
+                self.report.trained(trainer.global_rank)
             torch.distributed.destroy_process_group()
 
 
