@@ -44,7 +44,8 @@ from _common import (
 )
 
 from token_mean import WindowStats
-from token_mean._record import RECORD_SIZE, Kind, Reduced, World
+from token_mean._layout import World
+from token_mean._record import RECORD_SIZE, Kind, Reduced
 
 # ---------------------------------------------------------------------------------------------------------------
 # NCCL's tuning model (tuning.cc at commit 01afd20): µs and GB/s, per protocol (LL, LL128, Simple)

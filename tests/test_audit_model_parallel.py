@@ -174,14 +174,14 @@ def test_sharded_model_without_a_data_parallel_mesh_is_refused(tmp_path: Path) -
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from token_mean._audit import Auditor, AuditSchedule, Objective
-    from token_mean._record import World
+    from token_mean._audit import Auditor, Objective
+    from token_mean._layout import World
 
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     mesh = init_device_mesh("cpu", (1, 1), mesh_dim_names=("data_parallel", "tensor_parallel"))
     net = fully_shard(TokenNet(), mesh=mesh["data_parallel"])
     objective = Objective(lambda module, micro_batch: (None, None), lambda batch: 0, "mean")
-    auditor = Auditor(AuditSchedule(2, "raise", None), "DenominatorMonitor")
+    auditor = Auditor(2, "raise", None, "DenominatorMonitor")
     with pytest.raises(ValueError, match=(
         r"^`DenominatorMonitor\(audit_every=2\)` cannot audit this model: its parameters are sharded \(FSDP2 or"
         r" tensor parallelism\) and the run has no device mesh with a 'data_parallel' dimension .* run it under"

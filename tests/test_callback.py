@@ -434,14 +434,19 @@ def test_trace_round_trips_none_and_nonfinite(tmp_path: Path) -> None:
         ({"atol": "0"}, ValueError, r"`atol` must be a number >= 0, got '0'"),
         ({"on_divergence": "ignore"}, ValueError, r"'warn', 'raise' or 'log', got 'ignore'"),
         ({"logging_interval": 0}, ValueError, r"positive int .* got 0"),
-        ({"loss_reduction": "avg"}, ValueError, r"'mean' .* or 'sum', got 'avg'"),
+        ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be 'mean' .* or 'sum' .*, got 'avg'"),
         ({"count_fn": 3}, TypeError, r"`count_fn` must be a callable .* got int: 3"),
         ({"prefix": None}, TypeError, r"`prefix` must be a str"),
     ],
 )
-def test_bad_settings(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+@pytest.mark.parametrize("monitor", ["DenominatorMonitor", "FabricMonitor"])
+def test_bad_settings(kwargs: dict[str, Any], error: type[Exception], match: str, monitor: str) -> None:
+    """Both monitors take the same settings and check them alike: `FabricMonitor(loss_reduction="avg")` once
+    audited a sum without a word."""
+    from token_mean.fabric import FabricMonitor
+
     with pytest.raises(error, match=match):
-        DenominatorMonitor(**kwargs)
+        {"DenominatorMonitor": DenominatorMonitor, "FabricMonitor": FabricMonitor}[monitor](**kwargs)
 
 
 def test_count_fn_is_used_without_strategy(tmp_path: Path) -> None:

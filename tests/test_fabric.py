@@ -28,7 +28,7 @@ from _harness import EXACT, MODES, Batch, TokenNet, empty_like, relative_error
 from lightning.fabric import Fabric
 from torch.nn.parallel import DistributedDataParallel
 
-from token_mean import _ddp
+from token_mean._layout import shared_world
 
 MISSES = 1e-6
 
@@ -124,7 +124,7 @@ def _worlds_of_ddp_groups(fabric: Fabric) -> list[Any]:
     worlds = {}
     for name, group in [*subgroups(fabric).items(), ("default", None)]:
         model = DistributedDataParallel(TokenNet(), process_group=group)
-        world = _ddp.layout(model, fabric.device).world
+        world = shared_world(fabric.strategy, model)
         worlds[name] = (world.size, world.rank, world.distributed, world.group is model.process_group)
     return every_rank(worlds)
 

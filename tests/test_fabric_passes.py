@@ -245,14 +245,16 @@ class _Marked:
 @contextlib.contextmanager
 def _old_mark(filler: bool) -> Iterator[None]:
     """The filler mark over the whole loop body, validation included (its lifetime before the fix)."""
-    from token_mean import _filler
+    import weakref
+
+    from token_mean import _window
 
     marked = _Marked(filler)
-    _filler.track(marked)
+    _window._current = weakref.ref(marked)  # type: ignore[assignment]
     try:
         yield
     finally:
-        _filler.track(None)
+        _window._current = None
 
 
 def validation_loss(params: dict[str, Tensor], batches: list[Batch]) -> float:

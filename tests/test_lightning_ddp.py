@@ -818,7 +818,7 @@ def test_backward_count_with_grad_accumulation(torch_backward, method):
 
 
 REFUSED = (
-    "TokenMeanDDPStrategy refuses torch.optim.LBFGS at fit start (ValueError from token_mean._trainer.check_fit, as"
+    "TokenMeanDDPStrategy refuses torch.optim.LBFGS at fit start (ValueError from token_mean.strategy.check_fit, as"
     " documented): LBFGS re-evaluates the closure within one step, so the window's micro-batch would run (and be"
     " counted) again"
 )

@@ -2,7 +2,7 @@
 
 No Lightning and no process group: a ``World.single()`` channel runs no collective. The loop below is what a front end
 does per micro-batch (``epoch.micro_batch`` → forward → ``micro.loss_to_backprop`` → backward →
-``micro.backward_done`` → ``micro.window_result`` after the window's last). The reference (float64, relative 1e-12)
+``micro.backward_done`` → ``epoch.end_window`` after the window's last). The reference (float64, relative 1e-12)
 imports nothing from ``token_mean``: per window, the gradient of the sum of the per-token losses over the window's
 batches divided by their valid-label count N.
 """
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import pytest
@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from token_mean import DenominatorError, WindowStats
-from token_mean._counts import count_valid_labels
-from token_mean._deferred import AfterReduction, Deferred
-from token_mean._epoch import Epoch, Epochs
-from token_mean._lookahead import Lookahead
-from token_mean._mode import MicroBatch, Settings, StepOutput, WindowMode
+from token_mean._epoch import UNKNOWN_END, Epoch, Passes
+from token_mean._layout import World, after_reduction
+from token_mean._modes import Mode, make_mode
 from token_mean._reader import Reader
-from token_mean._record import Channel, World
+from token_mean._settings import Settings
+from token_mean._window import MicroBatch, StepOutput
+from token_mean.counts import count_valid_labels
 
 FEATURES, CLASSES, ROWS, LENGTH = 3, 4, 2, 5
 IGNORE_INDEX = -100
@@ -144,18 +144,14 @@ class Loop:
     def __post_init__(self) -> None:
         self.initial = copy.deepcopy(self.model)
         self.reader = Reader(Loader(self.batches))
-        channel = Channel(World.single())
-        self.mode: WindowMode = (
-            Lookahead(channel, self.settings)
-            if self.mode_name == "lookahead"
-            else Deferred(channel, self.settings, AfterReduction(self.model, 1))
-        )
-        self.epochs = Epochs(self.mode, self.settings.pad_uneven_ranks)
+        settings = replace(self.settings, mode=self.mode_name)
+        self.mode: Mode = make_mode(settings, after_reduction(self.model, World.single()), rank_counts=False)
+        self.passes = Passes(self.mode, self.settings.pad_uneven_ranks)
 
     def start(self) -> Epoch:
         length = len(self.batches) if self.sized else None
-        self.epochs.agree(length, length)
-        return self.epochs.begin(self.reader, 0)
+        self.passes.agree(length, length)
+        return self.passes.begin(self.reader, 0)
 
     def run(self) -> list[Trained]:
         epoch = self.start()
@@ -172,7 +168,7 @@ class Loop:
             positions.append((position, micro.filler))
             self.hook = ("after_backward", position)
             if micro.last:
-                stats = micro.window_result()
+                stats = epoch.end_window()
                 grads = [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in self.model.parameters()]
                 self.windows.append(Trained(positions, stats, grads, epoch.length))
                 self.model.zero_grad(set_to_none=True)
@@ -283,7 +279,7 @@ def test_stream_windows_are_padded_to_k_with_fillers_and_the_epoch_ends_with_the
     assert [trained.positions for trained in loop.windows] == [
         [(0, False), (1, False), (2, False)], [(3, False), (4, False), (5, True)]
     ]
-    assert [trained.epoch_length for trained in loop.windows] == [6, 6]
+    assert [trained.epoch_length for trained in loop.windows] == [UNKNOWN_END, 6]  # it goes on, then ends
 
 
 @pytest.mark.parametrize(
@@ -513,9 +509,8 @@ def test_deferred_refuses_an_aux_loss() -> None:
 K_CHANGES = [  # (K before, position of the change, K after, the windows Lightning steps or None: refused)
     pytest.param(2, 4, 4, {"lookahead": [[0, 1], [2, 3], [4, 5, 6, 7]], "deferred": [[0, 1], [2, 3], [4, 5, 6, 7]]},
                  id="at-a-window-start"),
-    pytest.param(4, 3, 2, {"lookahead": [[0, 1, 2, 3], [4, 5], [6, 7]], "deferred": [[0, 1, 2, 3], [4, 5], [6, 7]]},
-                 id="inside-same-end"),
-    pytest.param(2, 1, 4, {"lookahead": None, "deferred": [[0, 1, 2, 3], [4, 5, 6, 7]]}, id="inside-later-end"),
+    pytest.param(4, 3, 2, {"lookahead": None, "deferred": None}, id="inside-same-end"),
+    pytest.param(2, 1, 4, {"lookahead": None, "deferred": None}, id="inside-later-end"),
     pytest.param(3, 2, 2, {"lookahead": None, "deferred": None}, id="inside-zeroing"),
     pytest.param(2, 4, 3, {"lookahead": None, "deferred": None}, id="at-a-window-start-without-zeroing"),
 ]
@@ -540,7 +535,7 @@ def test_k_changed_by_a_callback_is_exact_for_the_window_lightning_steps_or_refu
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the micro-batch's filler mark, and an epoch this rank leaves early
+# the micro-batch's filler mark
 # ---------------------------------------------------------------------------------------------------------------------
 
 
@@ -563,23 +558,4 @@ def test_the_filler_mark_lasts_from_the_micro_batch_to_its_backward(mode: str) -
         micro.backward_done()
         seen.append((micro.filler, during, micro.is_filler, in_filler_batch()))
     assert seen == [(False, False, False, False), (True, True, False, False), (False, False, False, False)]
-    assert micro.window_result().window_length == 3
-
-
-@pytest.mark.parametrize("mode", MODES)
-def test_an_epoch_left_at_a_batch_it_did_not_train(mode: str) -> None:
-    """A rank whose loop started batch p and left the epoch there (`on_train_batch_start` returned -1) says so,
-    and how many batch starts of the others lie before their window's exchange: the rest of the window that holds p,
-    or, at a window's first batch, that window's (lookahead: only where its counts were announced already)."""
-    loop = Loop(mode, batches_with([4, 6, 5, 7, 3, 2]), accumulate=3)
-    epoch = loop.start()
-    for position in range(2):
-        epoch.started(position)
-        loop.train(epoch, position, epoch.next_item()[0])
-    epoch.started(2)  # started, never trained: the rank left here
-    assert epoch.left_at() == 2 and epoch.left_at() is None  # asked once
-    assert epoch.batch_starts_before_exchange(2, 3) == 0  # the window's last batch: its exchange comes next
-    assert epoch.batch_starts_before_exchange(1, 3) == 1
-    epoch.started(2)
-    epoch.micro_batch(2, 3, lambda: 0)  # trained after all: nothing was left
-    assert epoch.left_at() is None
+    assert epoch.end_window().window_length == 3

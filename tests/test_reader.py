@@ -18,7 +18,8 @@ from token_mean import DenominatorError
 from token_mean._epoch import UNKNOWN_END, Epoch
 from token_mean._problems import Problem
 from token_mean._reader import Entry, Reader
-from token_mean._record import Channel, Slot, World
+from token_mean._layout import World
+from token_mean._record import Channel, Slot
 
 MODE: Any = SimpleNamespace(channel=Channel(World.single()))  # what an epoch asks of its mode outside a window
 
@@ -180,11 +181,11 @@ def test_stream_pads_with_fillers_until_its_agreed_end() -> None:
     epoch = begin(reader, None)
     assert not epoch.sized and epoch.length == UNKNOWN_END
 
-    assert epoch.reach(0, 2) == 2  # the first window opens: the stream reaches its stop
+    epoch.length = 2  # the ranks agreed the stream ends after its first window (`Epoch.after`)
     first_window = hand_out(epoch)
     assert [entry.position for _, entry in first_window] == [0, 1]
 
-    assert (epoch.reach(2, 2), epoch.reach(4, 2)) == (4, 6)  # two more windows opened
+    epoch.length = 6  # ... or two windows later
     rest = hand_out(epoch)
     assert [entry.position for _, entry in rest] == [2, 3, 4, 5]
     assert [entry.filler for _, entry in rest] == [False, True, True, True]
@@ -196,7 +197,7 @@ def test_stream_ends_at_its_agreed_end_even_with_batches_read_ahead_past_it() ->
     reader = Reader(loader)
     epoch = begin(reader, None)
     reader.read_ahead(4)  # speculative: the stream's end is not agreed yet
-    epoch.reach(0, 2)
+    epoch.length = 2  # agreed after the first window
 
     out = hand_out(epoch)
 
@@ -251,21 +252,21 @@ def test_read_ahead_stops_at_a_sized_epochs_length() -> None:
     loader = FakeLoader(real_batches(5))
     reader = Reader(loader)
     epoch = begin(reader, 2)
-    epoch.read_ahead(10, all_of_it=True)
+    reader.read_ahead(epoch.window_stop(0, 10))
     assert loader.reads == 2
 
 
-def test_entries_reads_ahead_to_the_range_and_returns_fewer_where_the_epoch_ends() -> None:
+def test_entries_read_ahead_to_the_range_and_a_window_stops_where_the_epoch_ends() -> None:
     loader = FakeLoader(real_batches(5))
     reader = Reader(loader)
     epoch = begin(reader, 3)
 
-    window = epoch.entries(0, 2)
+    window = reader.entries(0, epoch.window_stop(0, 2))
     assert [entry.position for entry in window] == [0, 1]
     assert [entry.batch for entry in window] == [item[0] for item in loader.items[:2]]
     assert loader.reads == 2
 
-    assert [entry.position for entry in epoch.entries(1, 5)] == [1, 2]
+    assert [entry.position for entry in reader.entries(1, epoch.window_stop(1, 5))] == [1, 2]
     assert loader.reads == 3
 
 
@@ -278,7 +279,7 @@ def test_entry_of_the_batch_handed_out_drops_the_entries_before_it() -> None:
     epoch.next_item()
 
     assert reader.entry(1).position == 1
-    assert [entry.position for entry in epoch.entries(0, 3)] == [1, 2]
+    assert [entry.position for entry in reader.entries(0, 3)] == [1, 2]
     with pytest.raises(RuntimeError, match=r"internal error: no batch at position 0 \(next: 2\)"):
         reader.entry(0)
 
@@ -304,7 +305,7 @@ def test_entry_past_the_epochs_end_is_an_internal_error() -> None:
     reader = Reader(FakeLoader(real_batches(2)))
     epoch = begin(reader, 2)
     with pytest.raises(RuntimeError, match="no batch at position 2"):
-        epoch.entry(2)
+        epoch.micro_batch(2, 1, lambda: 0)
 
 
 def test_has_real_from_reads_at_most_one_batch_ahead() -> None:
@@ -330,7 +331,7 @@ def test_has_real_from_is_false_once_only_fillers_remain() -> None:
 
     assert not reader.has_real_from(1)  # the one read ahead is a filler: the loader ran out
     assert reader.exhausted
-    assert [entry.filler for entry in epoch.entries(1, 2)] == [True]
+    assert [entry.filler for entry in reader.entries(1, 2)] == [True]
     assert not reader.has_real_from(1)
 
 
@@ -347,7 +348,7 @@ def test_batch_read_ahead_while_the_one_in_flight_shares_its_buffer_is_aliased()
 
     reader.read_ahead(2)  # in flight: the batch handed out last has not finished its backward
 
-    (entry,) = epoch.entries(1, 2)
+    (entry,) = reader.entries(1, 2)
     assert entry.aliased
     assert reader.refills and not reader.fresh
 
@@ -356,7 +357,7 @@ def test_batches_held_ahead_that_share_one_buffer_are_aliased_even_with_nothing_
     reader = Reader(RefillingLoader(3))
     epoch = begin(reader, 3)
     reader.read_ahead(2, in_flight=False)
-    assert [entry.aliased for entry in epoch.entries(0, 2)] == [False, True]
+    assert [entry.aliased for entry in reader.entries(0, 2)] == [False, True]
 
 
 def test_refilling_loader_read_one_batch_at_a_time_is_never_aliased_but_not_fresh() -> None:
@@ -378,7 +379,7 @@ def test_loader_yielding_fresh_tensors_is_fresh_after_two_batches_and_never_alia
     reader.read_ahead(4)
 
     assert reader.fresh and not reader.refills
-    assert not any(entry.aliased for entry in epoch.entries(0, 4))
+    assert not any(entry.aliased for entry in reader.entries(0, 4))
 
 
 def test_the_same_batch_yielded_again_unchanged_is_not_aliased() -> None:
@@ -389,13 +390,13 @@ def test_the_same_batch_yielded_again_unchanged_is_not_aliased() -> None:
     reader = Reader(FakeLoader([{"labels": labels}] * 3))
     epoch = begin(reader, 3)
     reader.read_ahead(3, in_flight=False)
-    assert [entry.aliased for entry in epoch.entries(0, 3)] == [False, False, False]
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, False]
 
     refilled = RefillingLoader(3)
     reader = Reader(refilled)
     epoch = begin(reader, 3)
     reader.read_ahead(3, in_flight=False)
-    assert [entry.aliased for entry in epoch.entries(0, 3)] == [False, True, True]
+    assert [entry.aliased for entry in reader.entries(0, 3)] == [False, True, True]
 
 
 def test_batch_whose_tensor_repeats_the_previous_batchs_marks_the_loader_as_refilling() -> None:
@@ -422,12 +423,12 @@ def test_start_position_shifts_the_positions_at_the_first_batch_handed_out() -> 
     reader = Reader(loader, start=start)
     epoch = begin(reader, 8)
     reader.read_ahead(2)
-    assert [entry.position for entry in epoch.entries(0, 2)] == [0, 1]  # counted from 0 until the first fetch
+    assert [entry.position for entry in reader.entries(0, 2)] == [0, 1]  # counted from 0 until the first fetch
 
     epoch.next_item()
 
     assert reader.current is not None and reader.current.position == 5
-    assert [entry.position for entry in epoch.entries(5, 7)] == [5, 6]
+    assert [entry.position for entry in reader.entries(5, 7)] == [5, 6]
     assert reader.position == 6
     out = hand_out(epoch)
     assert [(entry.position, entry.filler) for _, entry in out] == [(6, False), (7, False)]
@@ -508,11 +509,11 @@ def test_a_rank_limited_below_the_epoch_repeats_a_filler_after_its_limit() -> No
     loader = FakeLoader(batches)
     reader = Reader(loader)
     epoch = begin(reader, 4, limit=2)
-    entries = epoch.entries(0, 4)
+    entries = reader.entries(0, 4)
     assert [entry.filler for entry in entries] == [False, False, True, True]
     assert [epoch.next_item()[0] for _ in range(4)] == [batches[0], batches[1], batches[1], batches[1]]
     assert loader.reads == 2, "nothing past the limit is read"
-    assert epoch.at_close(4, peek=False) == ({}, []), "a limited epoch ends before the loader does: no check"
+    assert epoch.pass_end(4, peek=False) == ({}, []), "a limited epoch ends before the loader does: no check"
 
 
 LONGER = Problem.LONGER_THAN_LEN
@@ -526,8 +527,8 @@ def test_the_last_window_asks_a_fresh_loader_for_one_item_past_its_length(yielde
     for _ in range(4):
         epoch.next_item()
     state = reader.consumed_state()
-    assert epoch.at_close(3, peek=False) == ({}, []), "not the pass's last window: nothing asked"
-    host, problems = epoch.at_close(4, peek=False)
+    assert epoch.pass_end(3, peek=False) == ({}, []), "not the pass's last window: nothing asked"
+    host, problems = epoch.pass_end(4, peek=False)
     assert host == {} and [problem for problem, _ in problems] == ([LONGER] if more else [])
     assert not reader.consumed_exhausted, "what the check reads is dropped"
     assert loader.reads == 4 + more and state == {"read": 4}
@@ -535,17 +536,17 @@ def test_the_last_window_asks_a_fresh_loader_for_one_item_past_its_length(yielde
 
 def test_a_loader_that_refills_its_buffer_is_asked_only_after_the_last_backward() -> None:
     """Before the last backward a read would overwrite the batch in flight: the rank says it is unsure (the record's
-    UNSURE slot), and after the backward every rank asks in one more collective (``Epoch.ended``)."""
+    UNSURE slot), and after the backward every rank asks in one more collective (``Epoch.after``)."""
     loader = RefillingLoader(6)
     reader = Reader(loader)
     epoch = begin(reader, 4, own_length=4)
     for _ in range(4):
         epoch.next_item()
-    assert epoch.at_close(4, peek=False) == ({Slot.UNSURE: 1.0}, [])
+    assert epoch.pass_end(4, peek=False) == ({Slot.UNSURE: 1.0}, [])
     assert loader.reads == 4, "a read would overwrite the batch in flight"
     window: Any = SimpleNamespace(stop=4, accumulate=2, where="the window")
     with pytest.raises(DenominatorError, match=r"the training loader yielded more batches than its `len\(\)`"):
-        epoch.ended(window, 0.0, unsure=True)
+        epoch.after(window, 0.0, unsure=True)
     assert loader.reads == 5
 
 
@@ -560,13 +561,13 @@ def test_a_loader_restarted_by_a_resume_is_asked_for_one_item_past_its_whole_len
     for _ in range(4):
         epoch.next_item()
     assert reader.resumed_without_state and reader.undrawn_start == 0
-    assert epoch.at_close(7, peek=False) == ({Slot.UNSURE: 1.0}, []), "it is read after the last backward"
+    assert epoch.pass_end(7, peek=False) == ({Slot.UNSURE: 1.0}, []), "it is read after the last backward"
     window: Any = SimpleNamespace(stop=7, accumulate=2, where="the window")
     if more:
         with pytest.raises(DenominatorError, match="more than its `len\\(\\)` of 7"):
-            epoch.ended(window, 0.0, unsure=True)
+            epoch.after(window, 0.0, unsure=True)
     else:
-        epoch.ended(window, 0.0, unsure=True)
+        epoch.after(window, 0.0, unsure=True)
     assert loader.reads == yielded
     assert loader.reads > 4 + 1, "the control: one item past the pass says nothing here"
 
@@ -582,7 +583,7 @@ def test_a_resumed_stateful_or_skipping_loader_is_asked_for_one_item_past_what_i
         for _ in range(4):
             epoch.next_item()
         assert reader.undrawn_start == 3 and not reader.resumed_without_state
-        _, problems = epoch.at_close(7, peek=False)
+        _, problems = epoch.pass_end(7, peek=False)
         assert [problem for problem, _ in problems] == [LONGER]
 
 

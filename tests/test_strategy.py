@@ -529,16 +529,17 @@ def test_ddp_arguments_pass_through() -> None:
 
 
 @pytest.mark.parametrize(
-    ("kwargs", "match"),
+    ("kwargs", "error", "match"),
     [
-        ({"mode": "eager"}, r"`mode` must be one of \('lookahead', 'deferred'\), got 'eager'"),
-        ({"loss_reduction": "avg"}, r"`loss_reduction` must be one of \('mean', 'sum'\), got 'avg'"),
-        ({"count_fn": 3}, r"`count_fn` must be a callable"),
-        ({"mode": "deferred", "ddp_comm_hook": lambda s, b: None}, r"`ddp_comm_hook` cannot be combined"),
+        ({"mode": "eager"}, ValueError, r"`mode` must be one of \('lookahead', 'deferred'\), got 'eager'"),
+        ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be 'mean' .* or 'sum' .*, got 'avg'"),
+        ({"count_fn": 3}, TypeError, r"`count_fn` must be a callable .* got int: 3"),
+        ({"mode": "deferred", "ddp_comm_hook": lambda s, b: None}, ValueError, r"`ddp_comm_hook` cannot be combined"),
     ],
 )
-def test_bad_arguments(kwargs: dict[str, Any], match: str) -> None:
-    with pytest.raises(ValueError, match=match):
+def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
+    """The same message as the monitors' and the accumulator's for the same mistake (``_settings``)."""
+    with pytest.raises(error, match=match):
         TokenMeanDDPStrategy(**kwargs)
 
 

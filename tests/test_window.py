@@ -15,6 +15,7 @@ import torch
 from torch import Tensor
 
 from token_mean import DenominatorError, WindowStats
+from token_mean._layout import World
 from token_mean._problems import Problem
 from token_mean._record import (
     MARKS,
@@ -27,10 +28,9 @@ from token_mean._record import (
     Reduced,
     Slot,
     Values,
-    World,
     raise_lines,
 )
-from token_mean._window import Closing, Tally
+from token_mean._window import Window
 
 CPU = torch.device("cpu")
 STEP = "optimizer step 1 (epoch 0"
@@ -98,8 +98,14 @@ def line(who: str, problem: Problem) -> str:
     return f"{who}: {problem.what}. Fix: {problem.fix}"
 
 
-def window(channel: Channel | None = None, reduction: str = "mean", **judges: bool) -> Tally:
-    return Tally(channel or Channel(World.single()), 0, 4, STEP, reduction, **judges)
+def window(channel: Channel | None = None, reduction: str = "mean", **judges: bool) -> Window:
+    return Window(channel or Channel(World.single()), 0, 4, 4, STEP, reduction, **judges)
+
+
+def read(win: Window, host: dict[Slot, float] | None = None) -> tuple[Reduced, float]:
+    """The window's exchange started after its last forward, and read after its last backward."""
+    win.close(host or {})
+    return win.read()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -146,12 +152,12 @@ def test_only_ranks_below_52_carry_a_rank_bit() -> None:
 
 def test_the_zero_is_made_once_per_channel_and_a_window_of_fillers_leaves_it_zero() -> None:
     channel = Channel(World.single())
-    first, second = (Tally(channel, start, 2, STEP, "mean") for start in (0, 2))
-    assert first.zero() is second.zero() is channel.zero()
+    second = Window(channel, 2, 4, 2, STEP, "mean")
+    assert channel.zero() is channel.zero()
     for _ in range(2):  # fillers: the zero is their count, and no loss
-        second.add(second.zero(), None, filler=True)
-    result = second.close().result()
-    assert result.local_count == 0.0 and result.reduced[Slot.LOSS_SUM] == 0.0
+        second.add(channel.zero(), None, filler=True)
+    reduced, local = read(second)
+    assert local == 0.0 and reduced[Slot.LOSS_SUM] == 0.0
     assert channel.zero().item() == 0.0 and channel.zero().dtype == torch.float64
 
 
@@ -355,20 +361,20 @@ def test_window_sums_count_and_mean_losses_times_counts_and_skips_empty_micro_ba
     win.add(torch.tensor(3), scalar(0.5), filler=False)
     win.add(torch.tensor(0), scalar(NAN), filler=False)  # an empty micro-batch: its mean is 0/0
     win.add(torch.tensor(5), scalar(2.0).requires_grad_(), filler=False)
-    win.add(win.zero(), None, filler=True)
+    win.add(win.channel.zero(), None, filler=True)
     assert win.where == "the accumulation window of optimizer step 1 (epoch 0, batches 0..3)"
 
-    closing = win.close()
-    assert closing.global_count().item() == 8.0
-    result = closing.result()
+    win.close()
+    assert win.global_count().item() == 8.0
+    reduced, local = win.read()
 
-    assert result.reduced[Slot.COUNT] == 8.0
-    assert result.reduced[Slot.LOSS_SUM] == 3 * 0.5 + 5 * 2.0
-    assert (result.reduced[Slot.LENGTH], result.reduced[Slot.LENGTH_SQUARED]) == (4.0, 16.0)
-    assert result.reduced[Slot.REAL] == 3.0
-    assert (result.local_count, result.length) == (8.0, 4)
-    stats = result.stats(8.0, "lookahead", None)
-    assert stats == WindowStats(8.0, 8.0, None, 4, 11.5 / 8, False, "lookahead", None)
+    assert reduced[Slot.COUNT] == 8.0
+    assert reduced[Slot.LOSS_SUM] == 3 * 0.5 + 5 * 2.0
+    assert (reduced[Slot.LENGTH], reduced[Slot.LENGTH_SQUARED]) == (4.0, 16.0)
+    assert reduced[Slot.REAL] == 3.0
+    assert (local, win.length, win.ended) == (8.0, 4, True)
+    stats = win.stats(reduced, local, 8.0)
+    assert stats == WindowStats(8.0, 8.0, None, 4, 11.5 / 8, False, "none", None)
 
 
 def test_window_with_sum_reduction_adds_the_loss_sums_of_micro_batches_with_items() -> None:
@@ -376,18 +382,18 @@ def test_window_with_sum_reduction_adds_the_loss_sums_of_micro_batches_with_item
     win.add(torch.tensor(3), scalar(1.5), filler=False)
     win.add(torch.tensor(0), scalar(0.0), filler=False)
     win.add(torch.tensor(2), scalar(4.0), filler=False)
-    result = win.close().result()
-    assert result.reduced[Slot.COUNT] == 5.0
-    assert result.reduced[Slot.LOSS_SUM] == 5.5
+    reduced, _ = read(win)
+    assert reduced[Slot.COUNT] == 5.0
+    assert reduced[Slot.LOSS_SUM] == 5.5
 
 
 def test_window_of_empty_micro_batches_has_no_count_and_no_loss() -> None:
     win = window()
     win.add(torch.tensor(0), scalar(NAN), filler=False)
     win.add(torch.tensor(0), scalar(NAN), filler=False)
-    result = win.close().result()
-    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (0.0, 0.0)
-    stats = result.stats(0.0, "deferred", None)
+    reduced, local = read(win)
+    assert (reduced[Slot.COUNT], reduced[Slot.LOSS_SUM]) == (0.0, 0.0)
+    stats = win.stats(reduced, local, 0.0)
     assert stats.skipped and stats.loss is None
 
 
@@ -396,65 +402,67 @@ def test_window_carries_aux_sums_added_slots_and_what_the_mode_announces() -> No
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.25))
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.5))
     win.add_to(Slot.NAIVE, scalar(3.0))
-    assert win.has_aux
-    result = win.close({Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0}).result()
-    assert result.reduced[Slot.AUX_SUM] == 0.75
-    assert result.reduced[Slot.NAIVE] == 3.0
-    assert (result.reduced[Slot.NEXT_COUNT], result.reduced[Slot.MORE]) == (7.0, 1.0)
+    reduced, _ = read(win, {Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0})
+    assert reduced[Slot.AUX_SUM] == 0.75
+    assert reduced[Slot.NAIVE] == 3.0
+    assert (reduced[Slot.NEXT_COUNT], reduced[Slot.MORE]) == (7.0, 1.0)
 
 
 def test_nan_aux_loss_is_a_problem() -> None:
     win = window()
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(NAN))
     with pytest.raises(DenominatorError, match=r"rank 0: the 'aux_loss' of a micro-batch is NaN or infinite"):
-        win.close().result()
+        read(win)
 
 
 def test_negative_count_is_a_problem_unless_counts_are_not_judged() -> None:
-    def closed(**judges: bool) -> Closing:
+    def closed(**judges: bool) -> Window:
         win = window(**judges)
         win.add(torch.tensor(-2), scalar(1.0), filler=False)
         win.add(torch.tensor(3), scalar(1.0), filler=False)
-        return win.close()
+        win.close()
+        return win
 
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a negative count, in .*\n  Fix: counts"):
-        closed().result()
-    assert closed(judge_counts=False).result().reduced[Slot.COUNT] == 3.0  # a bad count counts nothing
+        closed().read()
+    assert closed(judge_counts=False).read()[0][Slot.COUNT] == 3.0  # a bad count counts nothing
 
 
 def test_nan_count_is_a_problem_unless_counts_are_not_judged() -> None:
-    def closed(**judges: bool) -> Closing:
+    def closed(**judges: bool) -> Window:
         win = window(**judges)
         win.add(scalar(NAN), scalar(1.0), filler=False)
         win.add(torch.tensor(3), scalar(2.0), filler=False)
-        return win.close()
+        win.close()
+        return win
 
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn` returned a NaN or infinite count") as raised:
-        closed().result()
+        closed().read()
     assert Problem.BAD_LOSS.what not in str(raised.value)  # the NaN count's loss is not the model's fault
-    result = closed(judge_counts=False).result()
-    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (3.0, 6.0)
+    reduced, _ = closed(judge_counts=False).read()
+    assert (reduced[Slot.COUNT], reduced[Slot.LOSS_SUM]) == (3.0, 6.0)
 
 
 @pytest.mark.parametrize("bad", [NAN, math.inf])
 def test_nonfinite_loss_of_a_micro_batch_with_items_is_a_problem_unless_losses_are_not_judged(bad: float) -> None:
-    def closed(**judges: bool) -> Closing:
+    def closed(**judges: bool) -> Window:
         win = window(**judges)
         win.add(torch.tensor(2), scalar(bad), filler=False)
         win.add(torch.tensor(3), scalar(1.0), filler=False)
-        return win.close()
+        win.close()
+        return win
 
     with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
-        closed().result()
-    result = closed(judge_losses=False).result()
-    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM]) == (5.0, 3.0)
+        closed().read()
+    reduced, _ = closed(judge_losses=False).read()
+    assert (reduced[Slot.COUNT], reduced[Slot.LOSS_SUM]) == (5.0, 3.0)
 
 
 def test_finite_loss_times_a_huge_count_overflowing_is_the_counts_problem() -> None:
     win = window()
     win.add(scalar(1e308), scalar(10.0), filler=False)
     with pytest.raises(DenominatorError, match=r"rank 0: the window's total count N is too small or too") as raised:
-        win.close().result()
+        read(win)
     assert Problem.BAD_LOSS.what not in str(raised.value)
 
 
@@ -465,7 +473,7 @@ def test_host_flag_raises_with_the_first_detail_as_the_note() -> None:
     win.flag(Problem.ALIASED, "second detail")
     assert win.flags == {Problem.NO_LOSS, Problem.ALIASED}
     with pytest.raises(DenominatorError, match=r"rank 0: `training_step` returned no loss") as raised:
-        win.close().result()
+        read(win)
     assert f"rank 0: {Problem.ALIASED.what}" in str(raised.value)
     assert raised.value.__notes__ == ["On rank 0: first detail"]
 
@@ -477,11 +485,11 @@ def test_num_items_mismatch_sums_both_sides_and_the_first_labels_over_the_micro_
     win.add(torch.tensor(5), scalar(1.0), filler=False)
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 10.0, torch.tensor(12), torch.tensor(2))
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 5.0, torch.tensor(5), torch.tensor(1))  # they agree
-    closing = win.close()
+    win.close()
     assert channel.exchanges[0].record[Slot.DIFFERENT] == 1.0  # the window's record: one pair differs
 
     with pytest.raises(DenominatorError, match=r"rank 0: the default count \(`batch\['labels'\] != -100`\)") as raised:
-        closing.result()
+        win.read()
     _, diagnosis = channel.exchanges  # the diagnosis: which problem, and by how much
     assert diagnosis.kind is Kind.DIAGNOSIS
     assert [diagnosis.record[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
@@ -495,9 +503,9 @@ def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> No
     win = window(channel)
     win.add(torch.tensor(4), scalar(1.0), filler=False)
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, torch.tensor(3), torch.tensor(4))
-    closing = win.close()
+    win.close()
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' reported") as raised:
-        closing.result()
+        win.read()
     assert channel.exchanges[-1].record[Slot.FIRST] == 0.0
     assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
 
@@ -508,10 +516,10 @@ def test_count_changed_sums_the_count_read_and_the_count_received_over_the_micro
     for read, received in ((4.0, 3), (2.0, 2), (6.0, 1)):
         win.add(torch.tensor(received), scalar(1.0), filler=False)
         win.check_equal(Problem.COUNT_CHANGED, read, torch.tensor(received))
-    closing = win.close()
+    win.close()
 
     with pytest.raises(DenominatorError, match=r"10 valid items as the loader yielded them, 4 in the batches"):
-        closing.result()
+        win.read()
     assert [channel.exchanges[-1].record[slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
 
 
@@ -520,7 +528,7 @@ def test_checks_that_agree_raise_nothing() -> None:
     win.add(torch.tensor(4), scalar(1.0), filler=False)
     win.check_equal(Problem.COUNT_CHANGED, 4.0, torch.tensor(4))
     win.check_equal(Problem.NUM_ITEMS_MISMATCH_DEFAULT, 4.0, 4.0)
-    assert win.close().result().reduced[Slot.COUNT] == 4.0
+    assert read(win)[0][Slot.COUNT] == 4.0
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -550,24 +558,25 @@ def test_three_ranks_windows_sum_to_the_hand_computed_stats() -> None:
         win = window(channel)
         for batch in batches:
             if batch is None:
-                win.add(win.zero(), None, filler=True)
+                win.add(win.channel.zero(), None, filler=True)
             else:
                 win.add(torch.tensor(batch[0]), scalar(batch[1]), filler=False)
-        closings.append(win.close())
+        win.close()
+        closings.append(win)
     all_reduce([channel.exchanges[0] for channel in channels])
 
-    results = [closing.result() for closing in closings]
+    results = [closing.read() for closing in closings]
 
     global_count = 3 + 1 + 6 + 2
     loss = (3 * 0.5 + 1 * 2.0 + 6 * 1.0 + 2 * 0.25) / global_count
-    for rank, (result, local_count) in enumerate(zip(results, (4.0, 8.0, 0.0), strict=True)):
-        stats = result.stats(result.reduced[Slot.COUNT], "deferred", None)
-        assert stats == WindowStats(12.0, local_count, (4.0, 8.0, 0.0), 2, loss, False, "deferred"), rank
+    for rank, ((reduced, local), local_count) in enumerate(zip(results, (4.0, 8.0, 0.0), strict=True)):
+        stats = closings[rank].stats(reduced, local, reduced[Slot.COUNT])
+        assert stats == WindowStats(12.0, local_count, (4.0, 8.0, 0.0), 2, loss, False, "none"), rank
         assert stats.world_size == 3
         assert stats.imbalance == 8.0 * 3 / 12.0
         assert stats.naive_weight_error == max(abs(3 * n / 12.0 - 1.0) for n in (4.0, 8.0, 0.0))
-        assert result.reduced[Slot.REAL] == 5.0
-        assert result.reduced.in_step() and result.reduced.lengths_agree()
+        assert reduced[Slot.REAL] == 5.0
+        assert reduced.in_step() and reduced.lengths_agree()
 
 
 def test_problem_of_one_fake_rank_raises_on_every_rank_with_only_its_own_note() -> None:
@@ -578,13 +587,14 @@ def test_problem_of_one_fake_rank_raises_on_every_rank_with_only_its_own_note() 
         win.add(torch.tensor(2), scalar(1.0), filler=False)
         if rank == 1:
             win.flag(Problem.NO_LOSS, "training_step returned None")
-        closings.append(win.close())
+        win.close()
+        closings.append(win)
     all_reduce([channel.exchanges[0] for channel in channels])
 
     errors = []
     for closing in closings:
         with pytest.raises(DenominatorError, match=r"rank 1: `training_step` returned no loss") as raised:
-            closing.result()
+            closing.read()
         errors.append(raised.value)
     assert len({str(error) for error in errors}) == 1
     assert [getattr(error, "__notes__", []) for error in errors] == [[], ["On rank 1: training_step returned None"], []]
@@ -597,11 +607,12 @@ def test_fake_ranks_with_windows_of_different_lengths_raise_uneven() -> None:
         win = window(channel)
         for _ in range(1 if rank == 2 else 2):
             win.add(torch.tensor(1), scalar(1.0), filler=False)
-        closings.append(win.close())
+        win.close()
+        closings.append(win)
     all_reduce([channel.exchanges[0] for channel in channels])
     for closing in closings:
         with pytest.raises(DenominatorError, match=r"different lengths \(total 5 micro-batches over 3 ranks\)"):
-            closing.result()
+            closing.read()
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -615,16 +626,16 @@ def test_a_window_without_problems_runs_one_exchange_and_one_with_a_device_probl
     channel = RecordingChannel(World.single())
     win = window(channel)
     win.add(torch.tensor(3), scalar(0.5), filler=False)
-    win.close().result()
+    read(win)
     assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW]
 
     channel = RecordingChannel(World.single())
     win = window(channel)
     win.add(torch.tensor(3), scalar(NAN), filler=False)
-    closing = win.close()
+    win.close()
     assert channel.exchanges[0].record[ranks_slot(Problem.BAD_LOSS)] == 0.0  # not decided before the backward
     with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
-        closing.result()
+        win.read()
     assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW, Kind.DIAGNOSIS]
     assert channel.exchanges[1].record[ranks_slot(Problem.BAD_LOSS)] == 1.0
 
@@ -637,12 +648,12 @@ def test_host_counts_sum_on_the_host_and_weight_the_losses_with_items() -> None:
     win.add(0.0, scalar(NAN), filler=False)
     win.add(5.0, scalar(2.0), filler=False)
     win.add(0.0, None, filler=True)
-    result = win.close().result()
-    assert (result.reduced[Slot.COUNT], result.reduced[Slot.LOSS_SUM], result.local_count) == (8.0, 11.5, 8.0)
+    reduced, local = read(win)
+    assert (reduced[Slot.COUNT], reduced[Slot.LOSS_SUM], local) == (8.0, 11.5, 8.0)
 
 
 def test_host_floats_among_device_values_are_filled_in_on_the_device_not_copied_from_the_host() -> None:
-    """A tally takes each count, and each side of a check, as a host float or a device tensor. On CUDA a copy from
+    """A window takes each count, and each side of a check, as a host float or a device tensor. On CUDA a copy from
     pageable host memory (what ``torch.tensor(v).to(device)`` makes) waits for the device's queue, inside the window:
     where floats and tensors mix, each float goes in as a kernel argument (``aten.full``), and no host tensor is
     made (``aten.lift_fresh``) or copied (``aten._to_copy``)."""
@@ -659,13 +670,14 @@ def test_host_floats_among_device_values_are_filled_in_on_the_device_not_copied_
 
     counted, received, loss = scalar(4.0), scalar(2.0), scalar(1.0)
 
-    def mixed(channel: Channel) -> Closing:
+    def mixed(channel: Channel) -> Window:
         win = window(channel)
         win.add(counted, loss, filler=False)
         win.add(3.0, loss, filler=False)
         win.check_equal(Problem.COUNT_CHANGED, 4.0, counted)
         win.check_equal(Problem.COUNT_CHANGED, received, 3.0)
-        return win.close()
+        win.close()
+        return win
 
     channel = Channel(World.single())
     mixed(channel)  # the channel makes its index of the record's device slots once (a host tensor, copied once)
@@ -674,4 +686,4 @@ def test_host_floats_among_device_values_are_filled_in_on_the_device_not_copied_
     assert not {"lift_fresh", "_to_copy", "copy_"} & {name.split(".")[0] for name in ops.names}, ops.names
     assert ops.names.count("full.default") == 3  # the host count, and the host side of each check
     with pytest.raises(DenominatorError, match=r"2 valid items as the loader yielded them, 3 in the batches"):
-        closing.result()
+        closing.read()

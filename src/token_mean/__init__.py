@@ -11,8 +11,11 @@ items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``cou
 
 from importlib import metadata as _metadata
 
-from token_mean._counting import CountFn
-from token_mean._counts import (
+from token_mean._monitor import OnDivergence
+from token_mean._settings import CountFn, LossReduction, Mode
+from token_mean._window import in_filler_batch
+from token_mean.callback import DenominatorMonitor
+from token_mean.counts import (
     IGNORE_INDEX,
     ClassWeightedCount,
     count_examples,
@@ -22,10 +25,6 @@ from token_mean._counts import (
     sequence_token_means,
     sequence_token_sums,
 )
-from token_mean._filler import in_filler_batch
-from token_mean._mode import LossReduction, Mode
-from token_mean._observe import OnDivergence
-from token_mean.callback import DenominatorMonitor
 from token_mean.errors import AuditError, DenominatorError, DivergenceError
 from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy

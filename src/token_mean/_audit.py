@@ -42,8 +42,8 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from token_mean import _torch
-from token_mean._counting import CountFn, read_count
-from token_mean._record import World
+from token_mean._layout import World
+from token_mean.counts import read_count
 from token_mean.errors import AuditError
 from token_mean.results import Audit
 
@@ -57,7 +57,7 @@ DEFAULT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 
 MIXED_TOLERANCE = {"bf16-mixed": 5e-2, "16-mixed": 1e-2}
 """Under autocast the replay's float32 gradient sums bf16/fp16 products in another order than the run's."""
 
-LossFn = Callable[[nn.Module, "MicroBatch"], "tuple[Tensor | None, Tensor | None]"]
+LossFn = Callable[[nn.Module, "Recorded"], "tuple[Tensor | None, Tensor | None]"]
 """(module, micro-batch) → (its loss as the run computed it, its ``aux_loss`` or None); None: no gradient."""
 
 
@@ -80,7 +80,7 @@ class RngState:
 
 
 @dataclass(frozen=True)
-class MicroBatch:
+class Recorded:
     """A micro-batch of an audited window as its forward saw it: the batch, the RNG state, whether it was a
     zero-weight filler (it adds no item and no ``aux_loss``), and its position (Lightning's ``batch_idx``)."""
 
@@ -90,13 +90,9 @@ class MicroBatch:
     index: int = 0
 
 
-@dataclass(frozen=True)
-class Replayed:
-    """What the replay found: ``error`` (None when N = 0 on every rank) and ``dtype``, the least precise dtype of
-    the parameters and the replayed losses on any rank (what the default tolerance depends on)."""
-
-    error: float | None
-    dtype: torch.dtype
+Replayed = tuple["float | None", torch.dtype]
+"""What the replay found: ``‖g − g*‖ / ‖g*‖`` (None when N = 0 on every rank) and the least precise dtype of the
+parameters and the replayed losses on any rank (what the default tolerance depends on)."""
 
 
 @dataclass(frozen=True)
@@ -104,55 +100,10 @@ class Objective:
     """What the audit recomputes: the loss of one micro-batch, its count and how the loss relates to the count."""
 
     loss_fn: LossFn
-    count_fn: CountFn
+    count_fn: Callable[[Any], Any]
     loss_reduction: str  # "mean": a micro-batch's loss is the mean over its count; "sum": the sum
     with_aux: bool = False  # add the mean of 'aux_loss' over the window's real micro-batches (the strategy's)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext  # the forward's precision context
-
-
-class AuditSchedule:
-    """The audit's settings, checked once: which windows it audits and what it does with a failure."""
-
-    def __init__(self, every: object, on_failure: object, tolerance: object) -> None:
-        if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
-            raise ValueError(
-                f"`audit_every` must be a positive int (audit the first window and every N-th after it) or None (no"
-                f" audit), got {every!r}."
-            )
-        if on_failure not in ("raise", "warn", "log"):
-            raise ValueError(f"`on_audit_failure` must be 'raise', 'warn' or 'log', got {on_failure!r}.")
-        if tolerance is not None and (
-            isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0
-        ):
-            raise ValueError(
-                f"`audit_tolerance` must be a number >= 0 or None (a default by dtype), got {tolerance!r}."
-            )
-        self.every: int | None = every  # type: ignore[assignment]
-        self.on_failure: OnAuditFailure = on_failure  # type: ignore[assignment]
-        self.tolerance: float | None = None if tolerance is None else float(tolerance)
-        self._first: int | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.every is not None
-
-    def start(self, first_window: int) -> None:
-        """A run starts: its first window (by index) is audited, then every ``every``-th."""
-        self._first = first_window
-
-    def due(self, window: int) -> bool:
-        if self.every is None or self._first is None:
-            return False
-        return window >= self._first and (window - self._first) % self.every == 0
-
-    def tolerance_for(self, dtype: torch.dtype, precision: str | None = None) -> float:
-        """``audit_tolerance``, else the default for the least precise dtype of the parameters and the losses
-        (``dtype``) or for a mixed ``precision``."""
-        if self.tolerance is not None:
-            return self.tolerance
-        if precision in MIXED_TOLERANCE:
-            return MIXED_TOLERANCE[precision]
-        return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
 
 
 def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -162,7 +113,7 @@ def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
 
 def refusal(module: nn.Module, mesh: Any = None) -> str | None:
     """Why the replay cannot audit ``module`` exactly, or None; ``mesh``: the run's device mesh, if it has one."""
-    if is_sharded(module) and "data_parallel" not in _dimension_names(mesh):
+    if _torch.is_sharded(module) and "data_parallel" not in _dimension_names(mesh):
         return (
             "its parameters are sharded (FSDP2 or tensor parallelism) and the run has no device mesh with a"
             " 'data_parallel' dimension to say which ranks' items add up: run it under `ModelParallelStrategy`"
@@ -180,7 +131,7 @@ def _dimension_names(mesh: Any) -> tuple[str, ...]:
 
 
 def objective_error(
-    module: nn.Module, micro_batches: Sequence[MicroBatch], objective: Objective, world: World
+    module: nn.Module, micro_batches: Sequence[Recorded], objective: Objective, world: World
 ) -> Replayed:
     """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's); None when N = 0 on every rank. Leaves
     ``.grad``, the buffers and the RNG streams as they were.
@@ -206,9 +157,9 @@ def objective_error(
         raise AuditError(f"The objective audit could not count a micro-batch of its window: {where}.")
     dtypes = [p.dtype for _, p in parameters]
     if global_count == 0:
-        return Replayed(None, least_precise(dtypes))
+        return None, least_precise(dtypes)
     window = _Window(micro_batches, counts, objective, global_count, global_real)
-    sharded = is_sharded(module)
+    sharded = _torch.is_sharded(module)
     parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
     slots = _slots(parameters, used)
     after = RngState.capture()
@@ -229,7 +180,7 @@ def objective_error(
     if distributed:
         dist.all_reduce(error, op=dist.ReduceOp.MAX, group=group)
     figure, agreed = error.tolist()
-    return Replayed(figure, PRECISION_ORDER[int(agreed)])
+    return figure, PRECISION_ORDER[int(agreed)]
 
 
 def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -280,7 +231,7 @@ class _Replay(nn.Module):
         self.module = module
         self._loss_fn = loss_fn
 
-    def forward(self, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
+    def forward(self, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:
         return self._loss_fn(self.module, micro_batch)
 
 
@@ -288,13 +239,13 @@ class _Replay(nn.Module):
 class _Window:
     """What the replay needs of the audited window: its micro-batches, their counts and the window's totals."""
 
-    micro_batches: Sequence[MicroBatch]
+    micro_batches: Sequence[Recorded]
     counts: Sequence[float]
     objective: Objective
     global_count: float
     global_real: float
 
-    def total(self, micro_batch: MicroBatch, count: float, replayed: tuple[Tensor | None, Tensor | None],
+    def total(self, micro_batch: Recorded, count: float, replayed: tuple[Tensor | None, Tensor | None],
               dtypes: list[torch.dtype]) -> Tensor | None:
         """w_m · loss_m (+ aux_m / M) of one replayed micro-batch (None: it adds nothing); the dtypes of what it
         adds are appended to ``dtypes``."""
@@ -305,7 +256,7 @@ class _Window:
             total = aux / self.global_real if total is None else total + aux / self.global_real
         return total
 
-    def adds_nothing(self, micro_batch: MicroBatch, count: float) -> bool:
+    def adds_nothing(self, micro_batch: Recorded, count: float) -> bool:
         return count == 0 and not (self.objective.with_aux and not micro_batch.filler)
 
 
@@ -344,16 +295,6 @@ def _buffer_clones(module: nn.Module) -> dict[str, Tensor]:
     return {f"module.{name}": b.clone() for name, b in module.named_buffers()}
 
 
-def is_sharded(module: nn.Module) -> bool:
-    """Whether FSDP2 or tensor parallelism holds the module's parameters (its forward runs collectives)."""
-    from torch.distributed.fsdp import FSDPModule
-    from torch.distributed.tensor import DTensor
-
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-
-
 def _held_and_used(
     module: nn.Module, parameters: Sequence[tuple[str, nn.Parameter]]
 ) -> tuple[list[tuple[str, nn.Parameter]], list[Tensor]]:
@@ -390,7 +331,7 @@ def _sharded_replay(
     hook on each used tensor (:class:`_Sink`) adds its gradient into the tensor's slice of the flat buffer (a
     tensor-parallel partial sum made whole first, as FSDP2 does) and hands autograd a zero that holds no memory:
     the buffer is the one gradient's worth the replay keeps."""
-    from token_mean._fsdp import Outputs
+    from token_mean._layout import Outputs
 
     dtypes += [leaf.dtype for leaf in used]
     buffers = _flat_buffers(slots)
@@ -480,9 +421,8 @@ def _sharded_error(
     difference_sum, reference_sum, *dtype_ranks = sums.tolist()
     agreed = max(index for index, count in enumerate(dtype_ranks) if count > 0)
     if difference_sum == 0:
-        return Replayed(0.0, PRECISION_ORDER[agreed])
-    return Replayed(math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf,
-                    PRECISION_ORDER[agreed])
+        return 0.0, PRECISION_ORDER[agreed]
+    return (math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf), PRECISION_ORDER[agreed]
 
 
 def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int) -> tuple[Tensor | None, Tensor, int]:
@@ -536,24 +476,53 @@ class Auditor:
     audits the window's update once (whatever the optimizers), before anything changes its gradient.
 
     Args:
-        schedule: which windows, what a failure does.
+        every: audit the first window and every ``every``-th after it (None: no audit).
+        on_failure: ``"raise"``, ``"warn"`` or ``"log"``.
+        tolerance: the largest error that passes (None: a default by dtype).
         front_end: the monitor's name, for messages.
     """
 
-    def __init__(self, schedule: AuditSchedule, front_end: str) -> None:
-        self._schedule = schedule
+    def __init__(self, every: object, on_failure: object, tolerance: object, front_end: str) -> None:
+        from token_mean._settings import positive_int
+
+        self.every = positive_int(every, "audit_every", "audit the first window and every N-th after it", "no audit")
+        if on_failure not in ("raise", "warn", "log"):
+            raise ValueError(f"`on_audit_failure` must be 'raise', 'warn' or 'log', got {on_failure!r}.")
+        if tolerance is not None and (
+            isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0
+        ):
+            raise ValueError(
+                f"`audit_tolerance` must be a number >= 0 or None (a default by dtype), got {tolerance!r}."
+            )
+        self.on_failure: OnAuditFailure = on_failure  # type: ignore[assignment]
+        self.tolerance: float | None = None if tolerance is None else float(tolerance)
         self._front_end = front_end
         self.audits: list[Audit] = []
+        self._first: int | None = None  # the run's first window, audited, then every `every`-th
         self._objective: Objective | None = None
         self._precision: str | None = None
         self._world = World.single()  # the ranks that share the denominator, from `prepare`
-        self._recorded: list[MicroBatch] | None = None  # the audited window's micro-batches, until its update
+        self._recorded: list[Recorded] | None = None  # the audited window's micro-batches, until its update
         self._done = False  # the window's audit ran
         self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
 
+    def tolerance_for(self, dtype: torch.dtype, precision: str | None = None) -> float:
+        """``audit_tolerance``, else the default for the least precise dtype of the parameters and the losses
+        (``dtype``) or for a mixed ``precision``."""
+        if self.tolerance is not None:
+            return self.tolerance
+        if precision in MIXED_TOLERANCE:
+            return MIXED_TOLERANCE[precision]
+        return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
+
+    def _due(self, window: int) -> bool:
+        if self.every is None or self._first is None:
+            return False
+        return window >= self._first and (window - self._first) % self.every == 0
+
     @property
     def enabled(self) -> bool:
-        return self._schedule.enabled
+        return self.every is not None
 
     def prepare(self, module: nn.Module, objective: Objective | None, world: World, precision: str | None = None,
                 mesh: Any = None) -> None:
@@ -562,33 +531,33 @@ class Auditor:
         device its tensors live on). ``mesh``: the run's device mesh (default: ``module.device_mesh``, a
         ``LightningModule``'s under ``ModelParallelStrategy``), without whose 'data_parallel' dimension a sharded
         module cannot be audited."""
-        if not self._schedule.enabled or objective is None:
+        if self.every is None or objective is None:
             return
         if mesh is None:
             mesh = getattr(module, "device_mesh", None)
         why = refusal(module, mesh)
         if why is not None:
             raise ValueError(
-                f"`{self._front_end}(audit_every={self._schedule.every})` cannot audit this model: {why}. Remove"
+                f"`{self._front_end}(audit_every={self.every})` cannot audit this model: {why}. Remove"
                 " `audit_every` (docs/audit.md, \"Limits\")."
             )
         self._objective, self._precision, self._world = objective, precision, world
         dtype = least_precise([p.dtype for p in module.parameters()])
-        self._skipped_tolerance = self._schedule.tolerance_for(dtype, precision)
+        self._skipped_tolerance = self.tolerance_for(dtype, precision)
 
     def start(self, first_window: int) -> None:
         """A run starts: its first window is ``first_window`` (the optimizer steps taken before it)."""
         self.audits.clear()  # in place: a monitor hands this list out
         self._recorded = None
-        self._schedule.start(first_window)
+        self._first = first_window
 
     def micro_batch(self, window: int, first: bool, batch: Any, filler: bool = False, index: int = 0) -> None:
         """A micro-batch's forward is about to run (``first``: its window's first)."""
         if first:
-            self._recorded = [] if self._objective is not None and self._schedule.due(window) else None
+            self._recorded = [] if self._objective is not None and self._due(window) else None
             self._done = False
         if self._recorded is not None:
-            self._recorded.append(MicroBatch(batch, RngState.capture(), filler, index))
+            self._recorded.append(Recorded(batch, RngState.capture(), filler, index))
 
     def filler(self) -> None:
         """The micro-batch recorded last is a zero-weight filler (its front end says so from its forward on)."""
@@ -601,16 +570,15 @@ class Auditor:
         if self._recorded is None or self._done or self._objective is None:
             return None
         self._done = True
-        replayed = objective_error(module, self._recorded, self._objective, self._world)
-        tolerance = self._schedule.tolerance_for(replayed.dtype, self._precision)
-        error = replayed.error
+        error, dtype = objective_error(module, self._recorded, self._objective, self._world)
+        tolerance = self.tolerance_for(dtype, self._precision)
         audit = Audit(window, error, tolerance, error is None or error <= tolerance)
         self.audits.append(audit)
         if not audit.passed:
             message = failure_message(audit, unseen())
-            if self._schedule.on_failure == "raise":
+            if self.on_failure == "raise":
                 raise AuditError(message)  # the error is the same on every rank: every rank raises
-            (rank_zero_warn if self._schedule.on_failure == "warn" else rank_zero_info)(message)
+            (rank_zero_warn if self.on_failure == "warn" else rank_zero_info)(message)
         return audit
 
     def window_end(self, window: int) -> Audit | None:
@@ -622,82 +590,6 @@ class Auditor:
         if not self._done:
             self.audits.append(Audit(window, None, self._skipped_tolerance, True))
         return self.audits[-1]
-
-
-FABRIC_UNSEEN = (
-    "the loop's own scaling of the loss (`fabric.backward(loss / K)` averages micro-batch means, a mean of means:"
-    " use `TokenMeanAccumulator`); an `audit_loss` that is not the loop's loss; gradient hooks on parameters or"
-    " modules; DDP's reducer and comm hooks, FSDP2's reduce-scatter and its gradient divide factor; parameters DDP"
-    " does not reduce (unfrozen after `fabric.setup`); anything the loop does to `.grad` before the audit"
-)
-
-
-class FabricAuditing:
-    """:class:`Auditor` for a Fabric loop (``FabricMonitor``): the loop says when a micro-batch's forward starts
-    (:meth:`micro_batch`) and when its window's last backward is done (:meth:`audit`).
-
-    ``loss(model, batch)`` is the loop's loss of one micro-batch on the unwrapped module (a tensor, or a mapping
-    with ``"loss"`` and ``"aux_loss"``); the count and the loss reduction are the accumulator's, else the monitor's.
-    """
-
-    def __init__(self, schedule: AuditSchedule, loss: object, count_fn: CountFn, loss_reduction: str) -> None:
-        if schedule.enabled and not callable(loss):
-            raise ValueError(
-                f"`audit_every={schedule.every}` needs `audit_loss`, a callable fn(model, batch) -> loss computing the"
-                f" micro-batch's loss exactly as the loop does, got {loss!r}."
-            )
-        self.auditor = Auditor(schedule, "FabricMonitor")
-        self._loss = loss
-        self._count_fn, self._loss_reduction, self._aux = count_fn, loss_reduction, False
-        self._module: nn.Module | None = None  # the unwrapped module, once attached
-        self._open = False  # a window's first micro-batch was recorded
-        self._windows = 0
-
-    def attach(self, model: Any, count_fn: CountFn | None = None, loss_reduction: str | None = None,
-               aux: bool = False, world: World | None = None) -> None:
-        """The model ``fabric.setup`` returned (and the accumulator's count and its layout's ``world``: the ranks
-        that share the denominator); a ``ValueError`` if it cannot be audited."""
-        from token_mean import _lightning
-        from token_mean.fabric import loop_world
-
-        if not self.auditor.enabled:
-            return
-        modules = _lightning.fabric_modules(model)
-        strategy = _lightning.fabric_strategy_of(model)
-        if modules is None or strategy is None:
-            raise ValueError(f"The audit needs the model `fabric.setup` returned, got {type(model).__name__}.")
-        if world is None:  # a loop without the accumulator: the ranks its layout would have
-            world = loop_world(strategy, *modules)
-        self._module = modules[1]
-        self._count_fn = count_fn or self._count_fn
-        self._loss_reduction, self._aux = loss_reduction or self._loss_reduction, aux
-        objective = Objective(self._replayed_loss, self._count_fn, self._loss_reduction, aux,
-                              strategy.precision.forward_context)
-        self.auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
-        self.auditor.start(0)
-
-    def _replayed_loss(self, module: nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
-        output = self._loss(module, micro_batch.batch)  # type: ignore[operator]
-        if isinstance(output, Tensor):
-            return output, None
-        aux = output.get("aux_loss") if isinstance(output, dict) else None
-        loss = output.get("loss") if isinstance(output, dict) else None
-        return loss, aux
-
-    def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None:
-        """Before a micro-batch's forward (the first after an audit opens a window)."""
-        if self.auditor.enabled and self._module is None:
-            self.attach(model)
-        self.auditor.micro_batch(self._windows, not self._open, batch, filler)
-        self._open = True
-
-    def audit(self, model: Any, unseen: str = FABRIC_UNSEEN) -> Audit | None:
-        """After the window's last backward, before clipping and the step: its audit (None if not audited)."""
-        window, self._windows, self._open = self._windows, self._windows + 1, False
-        if self._module is None:
-            return None
-        self.auditor.audit(self._module, window, lambda: unseen)
-        return self.auditor.window_end(window)
 
 
 def failure_message(audit: Audit, unseen: str) -> str:
@@ -715,12 +607,10 @@ def failure_message(audit: Audit, unseen: str) -> str:
 __all__ = [
     "Audit",
     "AuditError",
-    "AuditSchedule",
     "Auditor",
-    "FabricAuditing",
-    "MicroBatch",
     "Objective",
     "OnAuditFailure",
+    "Recorded",
     "RngState",
     "audited_parameters",
     "failure_message",

@@ -1,7 +1,9 @@
-"""Every rank's loader position in a mid-epoch checkpoint: Lightning saves rank 0's only.
+"""What checkpoints keep of the package, and what a resume restores.
 
-Ranks with shards of different lengths (or a rank that ran out and repeats its last batch as a filler) stand at
-different positions of their own loaders; resumed from rank 0's state, the others would train other batches.
+Under the Trainer, Lightning saves rank 0's loader position only, but ranks with shards of different lengths (or a
+rank that ran out and repeats its last batch as a filler) stand at different positions of their own loaders: the
+strategy saves every rank's (:func:`checkpoint_state`) and gives each rank its own back (:func:`restore`). A Fabric
+loop's checkpoint is the accumulator's :class:`Progress`: where its pass stopped, at a window boundary.
 """
 
 from __future__ import annotations
@@ -10,8 +12,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from token_mean._loaders import gather_objects
+import torch.distributed as dist
+
+from token_mean._epoch import Passes
 from token_mean._reader import Reader
+
+CHECKPOINT_KEY = "token_mean"
 
 
 @dataclass(frozen=True)
@@ -57,4 +63,121 @@ def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> No
         )
 
 
-__all__ = ["RankPosition", "check_same_world", "every_rank", "this_rank"]
+def gather_objects(value: Any, world_size: int) -> list[Any]:
+    """Every rank's ``value``, in rank order (small picklable objects: per-rank loader positions)."""
+    gathered: list[Any] = [None] * world_size
+    dist.all_gather_object(gathered, value)
+    return gathered
+
+
+def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distributed: bool) -> dict[str, Any]:
+    """What a checkpoint keeps of a Trainer strategy: the mode's counters, the K in force and, for stateful
+    loaders, every rank's position (an all-gather)."""
+    state: dict[str, Any] = passes.mode.state_dict()
+    state["accumulate"] = accumulate
+    epoch = passes.current
+    if epoch is not None and epoch.reader.stateful:
+        state["loader_ranks"] = every_rank(epoch.reader, world_size, distributed)
+    return state
+
+
+def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, rank: int,
+            has_loader_states: bool) -> RankPosition | None:
+    """Restore the mode's counters from a checkpoint's ``state``; this rank's saved position, if it holds one (its
+    next pass then knows whether its loader had run out)."""
+    if state is None:
+        return None
+    passes.mode.load_state_dict(state)
+    own = this_rank(state, world_size, rank) if has_loader_states else None
+    if own is not None:
+        passes.resume(own.exhausted)
+    return own
+
+
+class Progress:
+    """Passes and windows so far, and where the next pass starts (identical on every rank)."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size  # the ranks that read their own shard of the data
+        self.passes = 0  # started, a resumed pass counted once
+        self.windows = 0  # finished, over all passes
+        self._epoch: int | None = None  # the loader's pass counter the pass reads with (None: not a Fabric loader)
+        self._stopped: int | None = None  # the last pass was left at a window boundary: the position it trains next
+        self._abandoned: int | None = None  # the last pass was left inside a window: its last batch's position
+        self._partial: Any = None  # what the front end keeps of that window's partial gradient
+        self._resume: tuple[int, int | None] | None = None  # (position, loader pass counter) from a checkpoint
+
+    def start_pass(self) -> tuple[int, int | None]:
+        """A pass starts: its first position (after the batches a resumed pass had trained) and the loader pass
+        counter to give back to a Fabric loader (None: leave it)."""
+        self.passes += 1
+        self._stopped = None
+        start, epoch = self._resume or (0, None)
+        self._resume = None
+        return start, epoch
+
+    def reading(self, epoch: int | None) -> None:
+        """The pass reads a Fabric loader whose pass counter (its sampler's epoch) is ``epoch``."""
+        self._epoch = epoch
+
+    def left(self, stopped: int | None, inside: int | None, partial: Any = None) -> None:
+        """The pass ended: left at a window boundary before position ``stopped``, or inside a window at position
+        ``inside`` with the ``partial`` gradient (both None: its loader ran out)."""
+        self._stopped, self._abandoned, self._partial = stopped, inside, partial
+
+    def take_abandoned(self) -> tuple[int, Any] | None:
+        """Where the last pass left a window unfinished and its partial gradient (None: it did not); asked once, as
+        the next pass starts."""
+        abandoned = None if self._abandoned is None else (self._abandoned, self._partial)
+        self._abandoned = self._partial = None
+        return abandoned
+
+    def state_dict(self, in_flight: int | None) -> dict[str, Any]:
+        """``in_flight``: the position after the finished window of a pass in progress (None between passes)."""
+        if in_flight is None and self._abandoned is not None:
+            raise RuntimeError(
+                f"`accumulator.state_dict()` after a pass of `accumulator.batches(...)` was left inside a window (at"
+                f" batch {self._abandoned}): its partial gradient is not saved, and a resume could not continue where"
+                " the pass stopped. Leave the loop at a window boundary (`break` after `accumulator.finish()` and the"
+                " optimizer step, or before the next batch's forward), then save."
+            )
+        if self._resume is not None:  # loaded, and no pass since
+            position, epoch = self._resume
+            return self._state(self.passes, position, epoch)
+        stopped = in_flight if in_flight is not None else self._stopped
+        if stopped is not None:  # a resume goes on with this pass
+            return self._state(self.passes - 1, stopped, self._epoch)
+        return self._state(self.passes, 0, None if self._epoch is None else self._epoch + 1)
+
+    def _state(self, passes: int, position: int, epoch: int | None) -> dict[str, Any]:
+        return {"passes": passes, "windows": self.windows, "position": position, "loader_epoch": epoch,
+                "world_size": self.world_size}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        """Resume from ``state``.
+
+        Raises:
+            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
+        """
+        position = int(state["position"])
+        saved_world = state.get("world_size")
+        if position > 0 and saved_world is not None:
+            check_same_world(int(saved_world), self.world_size, "a pass",
+                             "a checkpoint written between passes (after `accumulator.batches(...)` ran to its end)")
+        self.passes = int(state["passes"])
+        self.windows = int(state["windows"])
+        epoch = state.get("loader_epoch")
+        self._resume = (position, None if epoch is None else int(epoch))
+        self._stopped = self._abandoned = None
+
+
+__all__ = [
+    "CHECKPOINT_KEY",
+    "Progress",
+    "RankPosition",
+    "check_same_world",
+    "checkpoint_state",
+    "every_rank",
+    "restore",
+    "this_rank",
+]

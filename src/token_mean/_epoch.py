@@ -1,12 +1,11 @@
-"""The epoch: one pass over the training loader, its length and, for a stream, its end.
+"""The pass: one epoch (a Fabric loop's pass) over the training batches, its length, its windows, its end.
 
-An :class:`Epoch` lives for one pass and owns what has the pass's lifetime: its :class:`~token_mean._reader.Reader`,
-the length every rank runs, the window being trained and the batch this rank started last. It is the only place the
-length changes. A sized loader's length is agreed over the ranks before the pass (:class:`Epochs`); a stream's end is
-agreed window by window: a window that opens reaches its stop, and a window that ends says how many ranks hold a
-real batch after it, so the stream goes on by one window or ends there. Front ends take micro-batches from it
-(:meth:`Epoch.micro_batch`) and hand its items to their loop (:meth:`Epoch.next_item`); Lightning's fetcher follows
-its :attr:`~Epoch.length` (``_lightning.follow``).
+An :class:`Epoch` owns what has the pass's lifetime: its :class:`~token_mean._reader.Reader`, the length every rank
+runs and the window being trained. It opens each window, hands the window the batches it needs (the next window's,
+read ahead, in lookahead; what the record says about the pass's end at its last micro-batch), and applies what the
+window's end returns: a stream goes on by one window or ends there. Nothing below calls back into it. A sized
+loader's length is agreed over the ranks before the pass (:class:`Passes`); a stream's end is agreed window by
+window, from how many ranks hold a real batch after it.
 
 A sized loader whose ``len()`` understates what it yields (a token-budget sampler's estimate) is caught at the
 pass's last window: each rank with its loader's length at hand asks it for one item more than that length (before
@@ -17,17 +16,20 @@ collective), and every rank raises before that window's update.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+import torch.distributed as dist
+from torch.utils.data import IterableDataset
+
+from token_mean._modes import Counts, Mode
 from token_mean._problems import Problem
-from token_mean._reader import Entry, Reader
-from token_mean._record import Channel, Kind, Slot, Values, raise_lines
-
-if TYPE_CHECKING:
-    from token_mean._mode import MicroBatch, Window, WindowMode
+from token_mean._reader import Reader
+from token_mean._record import Kind, Slot, Values, raise_lines
+from token_mean._window import MicroBatch, PassEnd, Window, k_changed, trained_twice_or_skipped
+from token_mean.results import WindowStats
 
 UNKNOWN_END = 2**62
-"""A stream's end before its first window opens."""
+"""A stream's length while it goes on: its end is only known once the ranks agree on it."""
 
 
 class Epoch:
@@ -43,10 +45,8 @@ class Epoch:
         pad_uneven_ranks: whether streams may end in different windows on different ranks.
     """
 
-    def __init__(
-        self, reader: Reader, mode: WindowMode, length: int | None, label: str, own_length: int | None = None,
-        pad_uneven_ranks: bool = True,
-    ) -> None:
+    def __init__(self, reader: Reader, mode: Mode, length: int | None, label: str, own_length: int | None = None,
+                 pad_uneven_ranks: bool = True) -> None:
         self.reader = reader
         self.mode = mode
         self.sized = length is not None
@@ -55,24 +55,20 @@ class Epoch:
         self._own_length = own_length
         self._pad = pad_uneven_ranks
         self._window: Window | None = None  # the window being trained, or the last one that ended
-        self._started: int | None = None  # the batch this rank started last (`on_train_batch_start`)
-        self._trained: int | None = None  # the batch this rank trained last
-
-    @property
-    def channel(self) -> Channel:
-        return self.mode.channel
+        self._next_counts: Counts | None = None  # lookahead: the next window's, announced by the last one
 
     def begin(self) -> Epoch:
         """The pass starts. A stream costs one blocking collective here, before any batch is fetched: do the ranks
         have a batch at all? Its end is then agreed window by window."""
         if self.sized:
             return self
+        channel = self.mode.channel
         has_batch = self.reader.has_real_from(0, in_flight=False)  # before the first fetch: positions from 0
-        reduced = self.channel.reduce(Kind.BATCHES, Values({Slot.MORE: float(has_batch)}))
+        reduced = channel.reduce(Kind.BATCHES, Values({Slot.MORE: float(has_batch)}))
         ranks = round(reduced[Slot.MORE])
         lines = []
-        if 0 < ranks < self.channel.world.size:
-            missing = self.channel.world.size - ranks
+        if 0 < ranks < channel.world.size:
+            missing = channel.world.size - ranks
             who = f"{missing} rank{'s' if missing > 1 else ''}"
             lines = [f"{who}: {Problem.NO_BATCH.what}. Fix: {Problem.NO_BATCH.fix}"]
         reduced.check("the epoch's first window", "" if has_batch else "its training loader yielded nothing", lines)
@@ -80,69 +76,96 @@ class Epoch:
             self.length = 0  # an empty pass on every rank
         return self
 
-    # ---- the loop's side ----
-
     def next_item(self) -> Any:
         """The next item for the loop; ``StopIteration`` at the pass's end."""
         return self.reader.next_item(self.length)
 
-    def micro_batch(self, position: int, accumulate: int, step: Callable[[], int]) -> MicroBatch:
-        """The micro-batch at ``position`` is about to run its forward with K = ``accumulate`` (its window opens
-        here when the last one ended); ``step()`` is the optimizer step its window is, as messages number it (asked
-        only when a window opens)."""
-        self._trained = position
-        window = self._window
-        if window is None or window.ended:
-            window = self._window = self.mode.open(self, position, accumulate, step(), window)
-        return window.micro_batch(position, accumulate)
-
-    def started(self, position: int) -> None:
-        """The loop started the batch at ``position`` (it may still leave the epoch there, untrained)."""
-        self._started = position
-
-    def left_at(self) -> int | None:
-        """The batch at which this rank's pass ended untrained (``on_train_batch_start`` returned -1), if it did."""
-        started, self._started = self._started, None
-        return None if started is None or started == self._trained else started
-
-    # ---- the windows' side ----
-
     def window_stop(self, start: int, accumulate: int) -> int:
         """One past the last position of the window that holds ``start`` (windows are K apart from the pass's start;
         a sized pass's last one can be short)."""
-        stop = start + accumulate - start % accumulate
+        return self._clip(start + accumulate - start % accumulate)
+
+    def _clip(self, stop: int) -> int:
         return min(stop, self.length) if self.sized else stop
 
-    def reach(self, start: int, accumulate: int) -> int:
-        """A window opens at ``start`` (or re-plans its end there) with K = ``accumulate``: its stop, which a stream
-        reaches now (fillers pad it on ranks whose stream ended)."""
-        stop = self.window_stop(start, accumulate)
-        if not self.sized:
-            self.length = stop
-        return stop
+    # ---- one window after the other ----
 
-    def entry(self, position: int) -> Entry:
+    def micro_batch(self, position: int, accumulate: int, step: Callable[[], int]) -> MicroBatch:
+        """The micro-batch at ``position`` is about to run its forward with K = ``accumulate`` (its window opens
+        here when the last one ended); ``step()`` numbers the window's optimizer step in messages."""
         if self.sized and position >= self.length:
-            raise RuntimeError(
-                f"token_mean: internal error: no batch at position {position} of a pass of {self.length}. Please"
-                " report this with your settings."
-            )
-        return self.reader.entry(position)
+            raise RuntimeError(f"token_mean: internal error: no batch at position {position} of a pass of"
+                               f" {self.length}. Please report this with your settings.")
+        window = self._window
+        if window is None or window.ended:
+            window = self._window = self._open(position, accumulate, step())
+        entry = self.reader.entry(position)
+        last = position == window.stop - 1
+        reads_ahead = self.mode.reads_ahead
+        if reads_ahead:  # the rolling read: one batch of the next window now, the rest of it with this window's last
+            self.reader.read_ahead(self.window_stop(window.stop, accumulate), at_most=None if last else 1)
+        if last:
+            following = self.reader.entries(window.stop, self.window_stop(window.stop, accumulate)) if reads_ahead \
+                else []
+            window.ahead(following, self.pass_end(window.stop, peek=not reads_ahead))
+        return window.micro_batch(entry, accumulate)
 
-    def entries(self, start: int, stop: int) -> list[Entry]:
-        return self.reader.entries(start, min(stop, self.length) if self.sized else stop)
+    def _open(self, start: int, accumulate: int, step: int) -> Window:
+        previous = self._window
+        expected = self.reader.start if previous is None else previous.stop
+        if start != expected:
+            raise trained_twice_or_skipped(f"the loop trains batch {start} where the next window opens at batch"
+                                           f" {expected}")
+        if previous is not None and previous.accumulate != accumulate and start % accumulate:
+            raise ValueError(k_changed(previous.accumulate, accumulate, start, (
+                f"where a window starts, but {start} is not a multiple of {accumulate}: Lightning zeroes the"
+                " gradient only at batches whose index is a multiple of K, so this window's update would apply the"
+                " gradient of the window before it a second time")))
+        self.mode.check_resumed_accumulate(start, accumulate)
+        stop = self.window_stop(start, accumulate)
+        counts = self._next_counts if self._next_counts is not None and self._next_counts.stop == stop else None
+        entries = self.reader.entries(start, stop) if self.mode.reads_ahead and counts is None else []
+        return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries,
+                              self.reader.unchanged)
 
-    def read_ahead(self, stop: int, all_of_it: bool) -> None:
-        """Lookahead's rolling read: one batch towards ``stop`` (all of them with ``all_of_it``)."""
-        self.reader.read_ahead(min(stop, self.length) if self.sized else stop, at_most=None if all_of_it else 1)
+    def end_window(self) -> WindowStats:
+        """After the window's last backward: its stats (the window's one host read; every rank's problems raised
+        here), applied to the pass (a stream goes on by one window, or ends)."""
+        window = self._window
+        if window is None or window.ended:
+            raise RuntimeError("token_mean: internal error: a window was ended twice, or before it opened.")
+        ended = window.end()
+        self._next_counts = ended.next_counts
+        self.after(window, ended.more, ended.unsure)
+        self.mode.count_skipped(ended.stats)
+        return ended.stats
 
-    def at_close(self, stop: int, peek: bool) -> tuple[dict[Slot, float], list[tuple[Problem, str]]]:
-        """What the record of the window ending at ``stop`` carries about the pass's end, after its last forward:
-        for a sized pass's last window, whether the loader yields past its length; with ``peek`` (deferred mode:
-        lookahead counts the next window instead), whether this rank holds a real batch after a stream's window.
-        Either is read before the last backward only from a loader known to yield fresh memory (one that refills
-        a buffer would overwrite the batch in flight): such a rank says it is unsure, and the ranks agree after the
-        backward."""
+    def after(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
+        """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch
+        after it (a stream's); ``unsure``: some rank could not tell before the backward, so the ranks agree now."""
+        channel = self.mode.channel
+        if self.sized:
+            if unsure:  # the pass's last window: whether a loader yields past its length, agreed after the backward
+                problems = self._past_end() if self._checks_length() else []
+                flags = frozenset(problem for problem, _ in problems)
+                channel.reduce(Kind.PAST_END, Values(flags=flags)).check(window.where, _detail(problems))
+            return
+        if unsure:  # a loader not known to yield fresh memory on some rank: a second collective, after the backward
+            more = self.reader.has_real_from(window.stop, in_flight=False)
+            reduced = channel.reduce(Kind.STREAM_END, Values({Slot.MORE: float(more)}))
+            reduced.check(window.where)
+            ranks_with_more = reduced[Slot.MORE]
+        if not self._pad and 0 < ranks_with_more < channel.world.size:
+            lines = [f"{Problem.UNEVEN.what}: the ranks' streams ended in different windows. Fix: {Problem.UNEVEN.fix}"]
+            raise_lines(lines, window.where, "", channel.world.rank)
+        self.length = UNKNOWN_END if ranks_with_more > 0 else window.stop
+
+    def pass_end(self, stop: int, peek: bool) -> PassEnd:
+        """What the record of the window ending at ``stop`` carries about the pass's end: for a sized pass's last
+        window, whether the loader yields past its length; with ``peek`` (deferred: lookahead counts the next window
+        instead), whether this rank holds a real batch after a stream's window. Either is read before the last
+        backward only from a loader known to yield fresh memory (one that refills a buffer would overwrite the batch
+        in flight): such a rank says it is unsure, and the ranks agree after the backward."""
         reader = self.reader
         if self.sized:
             if stop < self.length or not self._checks_length():
@@ -159,26 +182,6 @@ class Epoch:
             problems.append((Problem.ALIASED, f"the batch at position {stop} reuses the memory of the batch in flight"))
         return {Slot.MORE: float(reader.has_real_from(stop))}, problems
 
-    def ended(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
-        """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch
-        after it (a stream's); ``unsure``: some rank could not tell before the backward, so the ranks agree now."""
-        if self.sized:
-            if unsure:  # the pass's last window: whether a loader yields past its length, agreed after the backward
-                problems = self._past_end() if self._checks_length() else []
-                flags = frozenset(problem for problem, _ in problems)
-                self.channel.reduce(Kind.PAST_END, Values(flags=flags)).check(window.where, _detail(problems))
-            return
-        if unsure:  # a stream whose loader is not known to yield fresh memory on some rank: a second collective
-            more = self.reader.has_real_from(window.stop, in_flight=False)
-            reduced = self.channel.reduce(Kind.STREAM_END, Values({Slot.MORE: float(more)}))
-            reduced.check(window.where)
-            ranks_with_more = reduced[Slot.MORE]
-        world = self.channel.world
-        if not self._pad and 0 < ranks_with_more < world.size:
-            lines = [f"{Problem.UNEVEN.what}: the ranks' streams ended in different windows. Fix: {Problem.UNEVEN.fix}"]
-            raise_lines(lines, window.where, "", world.rank)
-        self.length = window.stop + window.accumulate if ranks_with_more > 0 else window.stop
-
     def _checks_length(self) -> bool:
         return self._own_length is not None and not self.reader.exhausted
 
@@ -189,47 +192,24 @@ class Epoch:
             return []
         return [(Problem.LONGER_THAN_LEN, f"its loader yielded more than its `len()` of {own}")]
 
-    # ---- a rank that left its pass early ----
-
-
-    def batch_starts_before_exchange(self, position: int, accumulate: int) -> int | None:
-        """How many batches after ``position`` the other ranks still start before the exchange of the window that
-        holds it (for a rank whose pass ended at ``position``, untrained, with K = ``accumulate`` in force); None
-        where their next collective comes before the forward of ``position``."""
-        window = self._window
-        if window is not None and not window.ended and window.start <= position < window.stop:
-            return window.stop - 1 - position
-        return self.mode.starts_before_exchange(self, position, accumulate, window)
-
-    def leave(self, position: int) -> None:
-        """This rank's pass ended at ``position``, which it did not train: one blocking collective, in step only
-        where every rank ended there; otherwise it meets what the others are at, and every rank raises that the
-        ranks are out of step."""
-        self.channel.reduce(Kind.LEFT).check(f"the end of its epoch at batch {position}")
-
 
 def _detail(problems: list[tuple[Problem, str]]) -> str:
     return problems[0][1] if problems else ""
 
 
-class Epochs:
+class Passes:
     """The passes of one fit (or of one Fabric accumulator): their agreed length, and where each starts.
 
     Args:
         mode: opens the passes' windows.
         pad_uneven_ranks: ranks of different lengths are padded with fillers (False: an error).
         unit: how messages name a pass (``"epoch"``, ``"pass"``).
-        catch_up: what a rank whose pass ended early (untrained, at a batch the others train) runs before it leaves,
-            given the pass and that batch (the others' batch starts before their window's exchange, what their
-            forwards run). None: a front end where a pass never ends early.
     """
 
-    def __init__(self, mode: WindowMode, pad_uneven_ranks: bool, unit: str = "epoch",
-                 catch_up: Callable[[Epoch, int], None] | None = None) -> None:
+    def __init__(self, mode: Mode, pad_uneven_ranks: bool, unit: str = "epoch") -> None:
         self.mode = mode
         self._pad = pad_uneven_ranks
         self._unit = unit
-        self._catch_up = catch_up
         self._length: int | None = None
         self._own_length: int | None = None
         self.limit: int | None = None
@@ -240,9 +220,7 @@ class Epochs:
         """Agree on the passes' length: ``local`` is this rank's (after Lightning's ``limit_train_batches``), ``own``
         its loader's own ``len()`` (None: a stream, or a length that is only a hint). Every rank takes the longest;
         a shorter rank pads with fillers after its own (its ``limit``). One collective, two for uneven ranks."""
-        from token_mean._loaders import agree_on_length
-
-        self._length = agree_on_length(self.mode.channel, local, self._pad)
+        self._length = agree_on_length(self.mode, local, self._pad)
         limited = local is not None and own is not None and local < own
         self.limit = local if limited else None
         # a limit that cuts the loader short reads past its length by design: the length is only checked without one
@@ -254,24 +232,57 @@ class Epochs:
         self._resumed_exhausted = exhausted
 
     def begin(self, reader: Reader, index: int) -> Epoch:
-        """Pass number ``index`` starts over ``reader`` (the previous one settled first)."""
-        self.settle()
+        """Pass number ``index`` starts over ``reader``."""
         reader.restart(self._resumed_exhausted, self.limit)
         self._resumed_exhausted = False
-        epoch = Epoch(reader, self.mode, self._length, f"{self._unit} {index}", self._own_length, self._pad)
-        self.current = epoch
-        return epoch.begin()
-
-    def settle(self) -> None:
-        """The last pass is over: if this rank left it at a batch it did not train, meet the others where they are
-        (their batch starts in that window, then its exchange), so that every rank raises the same error instead
-        of waiting for the process group's timeout; no error where every rank ended there."""
-        epoch = self.current
-        position = None if epoch is None else epoch.left_at()
-        if epoch is None or position is None or self._catch_up is None or not self.mode.channel.world.distributed:
-            return
-        self._catch_up(epoch, position)
-        epoch.leave(position)
+        self.current = Epoch(reader, self.mode, self._length, f"{self._unit} {index}", self._own_length, self._pad)
+        return self.current.begin()
 
 
-__all__ = ["UNKNOWN_END", "Epoch", "Epochs"]
+def length_is_a_hint(loaders: list[Any]) -> bool:
+    """An ``IterableDataset``'s ``__len__`` can overstate what it yields (padding the epoch with phantom optimizer
+    steps): its end is agreed as the stream ends instead."""
+    return any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders)
+
+
+def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> int | None:
+    """The longest rank's number of batches this pass, or None when unsized.
+
+    One collective when the ranks agree (a SUM of each rank's length and its square: all lengths are equal exactly
+    when Σl² · P = (Σl)²), a second (a MAX) for the longest when they do not. The loop sizes the epoch (the stepping
+    rule, validation intervals) from each rank's own loaders, so ranks with shards of different sizes would step at
+    different batches; every rank takes the longest and the reader pads the shorter ones with zero-weight fillers.
+    """
+    channel = mode.channel
+    world = channel.world
+    length = local or 0
+    values = Values({Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(length * length),
+                     Slot.UNSIZED: float(local is None)})
+    reduced = channel.reduce(Kind.LENGTH, values)
+    reduced.check("the ranks' agreement on the epoch's length")
+    unsized = round(reduced[Slot.UNSIZED])
+    if unsized:
+        if unsized < world.size:
+            raise ValueError(
+                "token_mean: the training loaders have a length on some ranks and none on others (an IterableDataset"
+                " on some ranks only?); give every rank the same kind of loader."
+            )
+        return None
+    total, squares = reduced[Slot.EPOCH_LENGTH], reduced[Slot.EPOCH_LENGTH_SQUARED]
+    if squares * world.size == total * total:
+        return length
+    extremes = Values({Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(-length)})
+    longest_of = channel.reduce(Kind.LENGTH, extremes, op=dist.ReduceOp.MAX)
+    longest, shortest = round(longest_of[Slot.EPOCH_LENGTH]), -round(longest_of[Slot.EPOCH_LENGTH_SQUARED])
+    if shortest == 0 or not pad_uneven_ranks:
+        raise ValueError(
+            f"token_mean: the ranks' training loaders have between {shortest} and {longest} batches this epoch (this"
+            f" rank: {local}). "
+            + ("A rank without any batch cannot take part in the backward: give every rank at least one batch."
+               if shortest == 0 else "With `pad_uneven_ranks=False` every rank needs the same number: set"
+               " `pad_uneven_ranks=True` to let exhausted ranks contribute zero-weight batches, or balance the shards.")
+        )
+    return longest
+
+
+__all__ = ["UNKNOWN_END", "Epoch", "Passes", "agree_on_length", "length_is_a_hint"]

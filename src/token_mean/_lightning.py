@@ -12,8 +12,7 @@ import lightning.pytorch as pl
 from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
-from token_mean._epoch import Epoch, Epochs
-from token_mean._loaders import length_is_a_hint
+from token_mean._epoch import Epoch, Passes, length_is_a_hint
 from token_mean._reader import Reader
 
 
@@ -43,17 +42,28 @@ def skips_backward(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._skip_backward)
 
 
-def join_batch_starts(trainer: pl.Trainer, count: int) -> None:
-    """Take part in ``count`` of Lightning's batch starts on the other ranks, for a rank whose epoch already ended.
+def refuse_early_epoch_end(module: pl.LightningModule,
+                           refusal: Callable[[int], Exception | None]) -> Callable[[], None]:
+    """Make ``on_train_batch_start`` returning -1 raise ``refusal(batch_idx)`` (unless None) on the rank that
+    returned it, before the loop leaves the epoch there; returns what undoes it.
 
-    Relies on: ``_TrainingEpochLoop.advance`` broadcasts the SIGTERM flag from rank 0 at the start of every batch
-    (``_broadcast_sigterm_tensor``: a one-element int64 tensor on the root device) when more than one rank runs.
+    Relies on: the epoch loop calls the module's hook through ``getattr(pl_module, "on_train_batch_start")``
+    (``call._call_lightning_module_hook``), so an instance attribute wraps it for this fit, and ends the epoch on a
+    return value of -1 (``_TrainingEpochLoop.advance``).
     """
-    import torch
-    import torch.distributed as dist
+    hook = type(module).on_train_batch_start
+    if hook is pl.LightningModule.on_train_batch_start:
+        return lambda: None
 
-    for _ in range(count):
-        dist.broadcast(torch.zeros(1, dtype=torch.int64, device=trainer.strategy.root_device), src=0)
+    def wrapped(batch: Any, batch_idx: int, *args: Any) -> Any:
+        response = hook(module, batch, batch_idx, *args)
+        error = refusal(batch_idx) if response == -1 else None
+        if error is not None:
+            raise error
+        return response
+
+    module.on_train_batch_start = wrapped  # type: ignore[method-assign]
+    return lambda: module.__dict__.pop("on_train_batch_start", None)
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
@@ -143,8 +153,8 @@ def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
             trainer.val_check_batch = float("inf")
 
 
-def read_through(trainer: pl.Trainer, epochs: Epochs) -> None:
-    """Route the fit loop's training batches through ``epochs`` from now on, for every (re)loaded loader: the ranks
+def read_through(trainer: pl.Trainer, passes: Passes) -> None:
+    """Route the fit loop's training batches through ``passes`` from now on, for every (re)loaded loader: the ranks
     agree on the length when the loaders are set up, and each ``iter()`` begins a pass.
 
     Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader`` (after ``strategy.process_dataloader`` of each
@@ -155,7 +165,7 @@ def read_through(trainer: pl.Trainer, epochs: Epochs) -> None:
     iterating it does not pass through the reader.
     """
     fit_loop = trainer.fit_loop
-    fit_loop._token_mean_epochs = epochs  # type: ignore[attr-defined]  # a later fit's strategy brings its own
+    fit_loop._token_mean_passes = passes  # type: ignore[attr-defined]  # a later fit's strategy brings its own
     if getattr(fit_loop, "_token_mean_read_through", False):
         return
     setup_data = fit_loop.setup_data
@@ -169,8 +179,8 @@ def read_through(trainer: pl.Trainer, epochs: Epochs) -> None:
         hint = length_is_a_hint(combined.flattened)
         local = None if hint or fit_loop.max_batches == float("inf") else int(fit_loop.max_batches)
         own = None if hint else _own_length(combined)
-        epochs: Epochs = fit_loop._token_mean_epochs  # type: ignore[attr-defined]
-        resize_epoch(trainer, epochs.agree(local, own))
+        passes: Passes = fit_loop._token_mean_passes  # type: ignore[attr-defined]
+        resize_epoch(trainer, passes.agree(local, own))
         prefetched = [*getattr(fetcher, "batches", [])]
         stateful = bool(CombinedLoader._state_dicts(combined))
         reader = Reader(
@@ -181,7 +191,7 @@ def read_through(trainer: pl.Trainer, epochs: Epochs) -> None:
         reader.adopt(prefetched)
         combined.__class__ = _ReadCombinedLoader
         combined._token_mean_reader = reader  # type: ignore[attr-defined]
-        combined._token_mean_begin = lambda: epochs.begin(reader, trainer.current_epoch)  # type: ignore[attr-defined]
+        combined._token_mean_begin = lambda: passes.begin(reader, trainer.current_epoch)  # type: ignore[attr-defined]
         combined._token_mean_reuse = True  # type: ignore[attr-defined]
         iter(fetcher)  # restarts the fetcher on the reader, keeping the loaders' iterators already started
 
@@ -207,7 +217,7 @@ def _own_length(combined: CombinedLoader) -> int | None:
 
 
 class _ReadCombinedLoader(CombinedLoader):
-    """Lightning's ``CombinedLoader`` whose batches come through the pass an :class:`Epochs` begins at each iter."""
+    """Lightning's ``CombinedLoader`` whose batches come through the pass :class:`Passes` begins at each iter."""
 
     _token_mean_reader: Reader
     _token_mean_begin: Callable[[], Epoch]
@@ -318,8 +328,8 @@ __all__ = [
     "fabric_strategy_of",
     "follow",
     "has_loader_states_to_load",
-    "join_batch_starts",
     "read_through",
+    "refuse_early_epoch_end",
     "replace_checkpoint_loader_states",
     "resize_epoch",
     "set_loader_states_to_load",

@@ -24,6 +24,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
+from token_mean._layout import World
 from token_mean._problems import Problem
 from token_mean.errors import DenominatorError
 
@@ -72,7 +73,6 @@ class Kind(Enum):
     STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
     PAST_END = "the check, after an epoch's last backward, that no loader yields more batches than its `len()`"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
-    LEFT = "the end of its epoch, at a batch it did not train (`on_train_batch_start` returned -1)"
     DIAGNOSIS = "the diagnosis of a window whose sums showed a problem (which ranks had which)"
 
     __hash__ = object.__hash__  # by identity, in C (as Problem's)
@@ -85,31 +85,6 @@ _FIRST_KIND = len(Problem)  # the kinds' marks follow the problems'
 RANKS = len(Slot)  # then one slot per mark: how many ranks set it
 BITS = RANKS + len(MARKS)  # then one per mark: the sum of 2**rank over those ranks below NAMED_RANKS
 RECORD_SIZE = BITS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
-
-
-@dataclass(frozen=True)
-class World:
-    """The ranks that share one denominator, and where their collective tensors live.
-
-    ``size`` and ``rank`` count the ranks that hold different batches (the data-parallel ones); ``group`` reduces the
-    records over them (None: the default group). ``replica_group`` is set where other ranks train on this rank's very
-    batches (the tensor-parallel group of a device mesh): they must count exactly the same items.
-    ``gradients_averaged`` is True where the gradients are averaged over the ranks with no hook of the package in the
-    reduction (FSDP2's reduce-scatter): a provisional scale must then be the same on every rank.
-    """
-
-    size: int
-    rank: int
-    device: torch.device
-    group: Any | None = None
-    distributed: bool = False
-    replica_group: Any | None = None
-    gradients_averaged: bool = False
-
-    @staticmethod
-    def single(device: torch.device | None = None) -> World:
-        """One process, no collective."""
-        return World(size=1, rank=0, device=device or torch.device("cpu"))
 
 
 Slots = tuple[int, ...]
@@ -138,16 +113,17 @@ class Channel:
     """The package's collectives over one :class:`World`: each a SUM all-reduce of a record, numbered in order.
 
     ``rank_counts`` adds the per-rank block to every record of the channel (all records of a fit keep one length).
-    ``on_out_of_step`` runs when a blocking collective finds the ranks out of step, before anyone raises: what this
-    rank must still do so the others reach their own reading of the record instead of a timeout.
+    ``join_backward`` runs when a blocking collective finds other ranks at a window's end, before anyone raises: they
+    are about to run their last backward, whose gradient reduction would wait for this rank until the timeout, so it
+    joins that backward first (with zeros), and they reach their reading of the record.
     """
 
     def __init__(
-        self, world: World, rank_counts: bool = False, on_out_of_step: Callable[[Reduced], None] | None = None
+        self, world: World, rank_counts: bool = False, join_backward: Callable[[], None] | None = None
     ) -> None:
         self.world = world
         self.rank_counts = rank_counts
-        self._on_out_of_step = on_out_of_step
+        self._join_backward = join_backward
         self._sequence = 0
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
@@ -233,8 +209,9 @@ class Channel:
     def reduce(self, kind: Kind, values: Values = _NO_VALUES, op: Any = None) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
         reduced = self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
-        if op is None and self._on_out_of_step is not None and not reduced.in_step():
-            self._on_out_of_step(reduced)
+        if (op is None and self._join_backward is not None and not reduced.in_step() and kind is not Kind.WINDOW
+                and reduced.ranks_with(Kind.WINDOW)[0] > 0):
+            self._join_backward()
         return reduced
 
     def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
@@ -403,6 +380,5 @@ __all__ = [
     "Slot",
     "Slots",
     "Values",
-    "World",
     "raise_lines",
 ]

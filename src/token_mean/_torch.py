@@ -7,22 +7,12 @@ from __future__ import annotations
 
 import array
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 from torch.nn import Module
-
-
-@dataclass(frozen=True)
-class Reduction:
-    """How one FSDP2 parameter group reduces its gradients over data-parallel ranks."""
-
-    module: str  # the FSDP module's qualified name ("" for the root)
-    ranks: int  # the data-parallel ranks it reduces over (shard × replicate mesh sizes)
-    divide_factor: float | None  # set by `set_gradient_divide_factor`; None: the mean over `ranks`
 
 
 def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
@@ -39,8 +29,9 @@ def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
                 yield name, group
 
 
-def fsdp_reductions(model: Module) -> Iterator[Reduction]:
-    """Each FSDP2 parameter group of ``model``: the ranks its gradients are reduced over and its divide factor.
+def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, float | None]]:
+    """Each FSDP2 parameter group of ``model``: the name of the module that holds it, the data-parallel ranks its
+    gradients are reduced over, and its divide factor (None: the mean over those ranks).
 
     Relies on: each parameter group has ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``)
     and ``gradient_divide_factor``; ``foreach_reduce`` divides the reduced gradient by that factor, or by shard ×
@@ -50,7 +41,17 @@ def fsdp_reductions(model: Module) -> Iterator[Reduction]:
     for name, group in fsdp_param_groups(model):
         mesh_info = group.mesh_info
         ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
-        yield Reduction(name, ranks, group.gradient_divide_factor)
+        yield name, ranks, group.gradient_divide_factor
+
+
+def is_sharded(module: Module, recurse: bool = True) -> bool:
+    """Whether FSDP2 or tensor parallelism holds ``module``'s parameters (``recurse``: or any submodule's)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+
+    modules = module.modules() if recurse else [module]
+    return any(isinstance(m, FSDPModule) for m in modules) or any(
+        isinstance(p, DTensor) for p in module.parameters(recurse=recurse))
 
 
 def fsdp_reduces_gradients(groups: Sequence[Any]) -> list[bool]:
@@ -191,16 +192,6 @@ def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> Non
         model._match_unused_params_allreduce()  # type: ignore[no-untyped-call]
 
 
-def rebuild_ddp_buckets(model: torch.nn.parallel.DistributedDataParallel) -> None:
-    """Take part in the bucket rebuild the other ranks run in their next forward, once per training.
-
-    Relies on: ``Reducer._rebuild_buckets()``, what DDP's forward (and its uneven-inputs join hook) calls before
-    each forward: after the first backward that synchronized gradients it broadcasts rank 0's bucket order once,
-    and does nothing after that.
-    """
-    model.reducer._rebuild_buckets()
-
-
 def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     """The parameter names DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``).
 
@@ -220,18 +211,17 @@ def version(tensor: Tensor) -> int:
 
 
 __all__ = [
-    "Reduction",
     "ddp_ignored",
     "drop_fsdp_unreduced_gradients",
     "fsdp_param_groups",
     "fsdp_parameter_pairs",
     "fsdp_reduces_gradients",
     "fsdp_reductions",
+    "is_sharded",
     "memory",
     "multiply_",
     "norms",
     "premul_sum",
-    "rebuild_ddp_buckets",
     "shadow_ddp_backward",
     "start_all_reduce",
     "to_device",

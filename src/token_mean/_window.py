@@ -1,234 +1,328 @@
-"""One accumulation window's tally on one rank: what its micro-batches contributed, its one exchange, and what the
-step used.
+"""One accumulation window on one rank: opened by its pass, fed one micro-batch at a time, ended once.
 
-A :class:`Tally` is created when a window opens and dropped when it ends. The window feeds it one micro-batch at a time
-(:meth:`Tally.add`, with problems as they find them); after the window's last forward :meth:`Tally.close` builds
-the window's record and starts its one collective, and after its last backward :meth:`Closing.result` reads it on the
-host (the window's one host read) and raises the same :class:`~token_mean.DenominatorError` on every rank if any
-rank raised a problem. Everything per micro-batch stays on the device, detached, and is summed once per window.
+A window is one object from its opening to its end, holding what only it has: its K, where it starts and stops,
+what each micro-batch contributed and its one exchange. Read top to bottom, a window's life is:
+
+.. code-block:: python
+
+    window = mode.open(...)                                # K, start, stop fixed (lookahead: N known here)
+    micro = window.micro_batch(entry, accumulate)           # one per position, in order
+    loss = micro.loss_to_backprop(output, batch)            # its count, its share of 1/N; the last starts the exchange
+    loss.backward(); micro.backward_done()                  # the front end's own backward
+    ended = window.end()                                    # after the last backward: the one host read
+
+``end()`` returns :class:`Ended` (the window's :class:`~token_mean.WindowStats`, how many ranks hold more batches,
+and what the next window needs) to the pass that opened it, which applies it. Nothing here calls back into the
+pass. The modes (``_modes``) differ in when a micro-batch's count is known and in how the scale reaches the gradient;
+this module holds what they share: the micro-batch, the tally of counts and losses, and reading the exchange, which
+raises the same :class:`~token_mean.DenominatorError` on every rank if any rank had a problem. Everything per
+micro-batch stays on the device, detached, and is summed once per window.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping
+import weakref
+from collections.abc import Callable, Mapping, Sequence
 from types import MappingProxyType
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
+from token_mean._layout import WindowCheck
 from token_mean._problems import Problem
+from token_mean._reader import Entry
 from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Slots, Values, raise_lines
+from token_mean.counts import device_count, first_labels
 from token_mean.results import WindowStats
 
-# the slots that explain a failed check: the two sides, summed over the micro-batches where they differ
-_NOTHING: Mapping[Slot, float] = MappingProxyType({})
+NO_SLOTS: Mapping[Slot, float] = MappingProxyType({})
+PassEnd = tuple[Mapping[Slot, float], Sequence[tuple[Problem, str]]]
+"""What a window's record carries about its pass's end (host slots, problems), from the pass."""
+NO_END: PassEnd = (NO_SLOTS, ())
 
-_CHECK_SLOTS = {
+_CHECK_SLOTS = {  # the slots that explain a failed check: its two sides, summed where they differ
     Problem.NUM_ITEMS_MISMATCH_COUNT_FN: (Slot.REPORTED, Slot.COUNTED),
     Problem.NUM_ITEMS_MISMATCH_DEFAULT: (Slot.REPORTED, Slot.COUNTED),
     Problem.COUNT_CHANGED: (Slot.READ, Slot.RECEIVED),
 }
 
-
 Check = tuple[Tensor | float, Tensor | float, Tensor | None]
 """Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
 
 
-class _Values:
-    """What a window's micro-batches contributed on this rank, as they came: counts on the device (a tensor) or the
-    host (a float), losses detached, 'aux_loss' terms, and pairs that must agree."""
+class StepOutput(NamedTuple):
+    """What one micro-batch's forward gave, taken apart."""
 
-    def __init__(self, channel: Channel, mean: bool) -> None:
-        self.device = channel.world.device
-        self.zero = channel.zero  # a float64 zero on the device, one per fit
-        self.mean = mean  # each loss is a mean over its micro-batch's count (else a sum)
-        self.counts: list[Tensor | float] = []
-        self.on_host = True  # every count so far a host float (lookahead: counted on the host as read)
-        self.losses: list[Tensor | None] = []
-        self.aux: list[Tensor] = []
-        self.checks: dict[Problem, list[Check]] = {}
+    loss: Tensor | None  # the token-mean part (None: missing, a problem)
+    aux_loss: Tensor | None
+    num_items: Any  # None when not reported
+    backprop: Tensor  # what its backward runs: the loss, or a stand-in that keeps this rank's collectives in step
 
-    def counts_stacked(self) -> Tensor:
-        return self.stack(self.counts)
-
-    def losses_stacked(self) -> Tensor:
-        return torch.stack([self.zero() if loss is None else loss for loss in self.losses]).to(torch.float64)
-
-    def stack(self, values: list[Tensor | float]) -> Tensor:
-        """float64 on the device: host floats in one copy, device values stacked. A host float among device values
-        is filled in on the device (a kernel argument): a copy from pageable host memory, what ``torch.tensor(v)
-        .to(device)`` makes, would wait for the device's queue inside the window on CUDA."""
-        if all(type(value) is float for value in values):
-            return _torch.to_device(values, torch.float64, self.device)  # type: ignore[arg-type]
-        stacked = torch.stack([value.to(self.device) if isinstance(value, Tensor)
-                               else torch.full((), value, dtype=torch.float64, device=self.device) for value in values])
-        return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
-
-    def sides(self, checks: list[Check]) -> tuple[Tensor, Tensor]:
-        return self.stack([value for value, _, _ in checks]), self.stack([value for _, value, _ in checks])
+    @staticmethod
+    def of(output: Any, stand_in: Callable[[], Tensor]) -> tuple[StepOutput, Any]:
+        """A ``training_step``'s output taken apart, and what the loop gets back (a stand-in loss where the user's
+        was missing: every rank then reaches the window's collective, where all of them raise)."""
+        if isinstance(output, Tensor):
+            return StepOutput(output, None, None, output), output
+        if isinstance(output, Mapping):
+            loss, aux = output.get("loss"), output.get("aux_loss")
+            aux = aux if isinstance(aux, Tensor) else None
+            if isinstance(loss, Tensor):
+                return StepOutput(loss, aux, output.get("num_items"), loss), output
+            stand = stand_in()
+            return StepOutput(None, aux, output.get("num_items"), stand), {**output, "loss": stand}
+        stand = stand_in()
+        return StepOutput(None, None, None, stand), stand
 
 
-class Tally:
-    """What the accumulation window being trained on this rank contributed (see the module docstring).
+_current: weakref.ref[MicroBatch] | None = None  # the micro-batch created last (held by its front end)
+
+
+def in_filler_batch() -> bool:
+    """True from the creation of a zero-weight filler micro-batch to its backward, in every front end: under the
+    Trainer strategies its ``training_step`` and backward, in a Fabric loop from ``accumulator.batches`` yielding it
+    to its ``accumulator.backward``. Code that runs for other batches (a validation loop) never sees it."""
+    micro = None if _current is None else _current()
+    return micro is not None and micro.is_filler
+
+
+class MicroBatch:
+    """One micro-batch of a window, from just before its forward to the end of its backward."""
+
+    __slots__ = ("__weakref__", "backprop", "backward_ran", "count", "filler", "last", "position", "window")
+
+    def __init__(self, window: Window, position: int, last: bool, filler: bool, count: float = 0.0) -> None:
+        global _current
+        self.window = window
+        self.position = position
+        self.last = last  # the window's last: the optimizer steps after its backward
+        self.filler = filler  # a zero-weight repeat of an exhausted rank's batch
+        self.count = count  # lookahead: its count, read ahead
+        self.backward_ran = False
+        self.backprop: Tensor | None = None  # what its backward runs, from its forward to its backward
+        _current = weakref.ref(self)
+
+    @property
+    def is_filler(self) -> bool:
+        """A filler whose backward has not run yet: the mark covers its forward and backward and nothing else."""
+        return self.filler and not self.backward_ran
+
+    def loss_to_backprop(self, output: StepOutput, batch: Any) -> Tensor:
+        """The forward on ``batch`` gave ``output``: what its backward must run instead of ``output.backprop``."""
+        self.backprop = self.window.forward_done(self, output, batch)
+        return self.backprop
+
+    def backward_done(self) -> None:
+        self.backward_ran = True
+        self.backprop = None
+
+
+class Ended(NamedTuple):
+    """What a window's end gives the pass that opened it."""
+
+    stats: WindowStats
+    more: float  # the ranks that hold a real batch after the window (a stream's end is agreed from it)
+    unsure: bool  # some rank could not look past the window before the last backward: the pass agrees now
+    next_counts: Any = None  # lookahead: the next window's counts, which came with this window's record
+
+
+class Window:
+    """One accumulation window on this rank (see the module docstring); the modes say how it counts and scales.
 
     Args:
         channel: where the window's record is exchanged.
-        start: the position of its first micro-batch in the epoch.
+        start, stop: its positions in the pass, ``[start, stop)``.
         accumulate: K, the micro-batches per window in force.
-        step: what messages call the optimizer step, e.g. ``"optimizer step 3 (epoch 0"``.
+        step: what messages call its optimizer step, e.g. ``"optimizer step 3 (epoch 0"``.
         loss_reduction: ``"mean"`` (each loss is a mean over its micro-batch's count) or ``"sum"``.
-        judge_counts: flag negative and non-finite counts (False where they were judged where they were taken).
+        checks: host-side checks run as it closes (the layout's).
+        judge_counts: flag negative and non-finite counts (False where they were judged as they were read).
         judge_losses: flag non-finite losses of micro-batches with items (False where the window only measures).
     """
 
-    def __init__(
-        self,
-        channel: Channel,
-        start: int,
-        accumulate: int,
-        step: str,
-        loss_reduction: str,
-        judge_counts: bool = True,
-        judge_losses: bool = True,
-    ) -> None:
+    mode = "none"
+
+    def __init__(self, channel: Channel, start: int, stop: int, accumulate: int, step: str, loss_reduction: str,
+                 checks: Sequence[WindowCheck] = (), judge_counts: bool = True, judge_losses: bool = True) -> None:
         self.channel = channel
-        self._judge_counts = judge_counts
-        self._judge_losses = judge_losses
-        self.start = start
-        self.accumulate = accumulate
-        self.step = step
-        self._values = _Values(channel, loss_reduction == "mean")
+        self.start, self.stop, self.accumulate, self.step = start, stop, accumulate, step
+        self.mean = loss_reduction == "mean"
+        self.ended = False
+        self._checks = checks
+        self._judge_counts, self._judge_losses = judge_counts, judge_losses
+        self._next = start  # the position of the next micro-batch
+        self._counts: list[Tensor | float] = []  # a 0-dim device tensor, or a host float judged where it was read
+        self._losses: list[Tensor | None] = []  # detached, as the forwards returned them
+        self._aux: list[Tensor] = []
+        self._pairs: dict[Problem, list[Check]] = {}
         self._added: list[tuple[Slot, Tensor]] = []
         self._flags: set[Problem] = set()
-        self._detail = ""
+        self.detail = ""  # what this rank saw of its first host-side problem (a note of the error)
         self.length = 0
         self.real = 0
+        self._exchange: Exchange | None = None  # from the last forward on
+        self._local: Tensor | float = 0.0  # this rank's count, read with the record
+        self._following: Sequence[Entry] = ()
+        self._pass_end = NO_END
+
+    @property
+    def flags(self) -> frozenset[Problem]:
+        """The problems found on the host so far."""
+        return frozenset(self._flags)
 
     @property
     def where(self) -> str:
         """The window as messages name it."""
-        return self.where_until(self.start + self.length)
+        return f"the accumulation window of {self.step}, batches {self.start}..{self.stop - 1})"
 
-    def where_until(self, stop: int) -> str:
-        """The window as messages name it, for the micro-batches up to ``stop`` (its planned end before any)."""
-        return f"the accumulation window of {self.step}, batches {self.start}..{stop - 1})"
+    # ---- the micro-batches ----
 
-    def where_next(self, stop: int) -> str:
-        """The window after this one, up to ``stop``, as messages name it (lookahead counts it during this one)."""
-        return f"the accumulation window after that of {self.step}, batches {self.start + self.length}..{stop - 1})"
+    def micro_batch(self, entry: Entry, accumulate: int) -> MicroBatch:
+        """The micro-batch of ``entry`` is about to run its forward with K = ``accumulate``."""
+        position = entry.position
+        if accumulate != self.accumulate:
+            raise ValueError(k_changed(self.accumulate, accumulate, position, f"inside {self.where}: the window's"
+                                       " first backward passes were normalized for the window as it was planned"))
+        if position != self._next:
+            raise trained_twice_or_skipped(f"the loop trains batch {position} where {self.where} expects batch"
+                                           f" {self._next}")
+        self._next = position + 1
+        return MicroBatch(self, position, position == self.stop - 1, entry.filler, self._count_of(entry))
 
-    @property
-    def flags(self) -> set[Problem]:
-        """The problems found on the host so far."""
-        return set(self._flags)
+    def _count_of(self, entry: Entry) -> float:
+        """The micro-batch's count where it is known before its forward (lookahead), else 0."""
+        return 0.0
 
-    @property
-    def has_aux(self) -> bool:
-        """Whether a micro-batch returned an 'aux_loss'."""
-        return bool(self._values.aux)
+    def ahead(self, following: Sequence[Entry], pass_end: PassEnd) -> None:
+        """Before the last micro-batch: the next window's batches (lookahead counts them in this window's record)
+        and what the record carries about the pass's end."""
+        self._following, self._pass_end = following, pass_end
 
-    @property
-    def detail(self) -> str:
-        """What this rank saw of its first host-side problem (a note of the error)."""
-        return self._detail
+    def _pass_end_slots(self) -> Mapping[Slot, float]:
+        slots, problems = self._pass_end
+        for problem, detail in problems:
+            self.flag(problem, detail)
+        return slots
 
-    def zero(self) -> Tensor:
-        """A float64 zero on the device (one per fit: never written to)."""
-        return self.channel.zero()
+    def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
+        """The micro-batch's forward on ``batch`` ran: the tensor to back-propagate for it (the modes')."""
+        raise NotImplementedError
 
-    # ---- feeding ----
+    def end(self) -> Ended:
+        """After the window's last backward: what it produced (the modes')."""
+        raise NotImplementedError
+
+    # ---- the tally ----
 
     def add(self, count: Tensor | float, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
-        """One micro-batch: its count (a 0-dim tensor on the device, or a host float judged where it was read), its
-        loss as its forward returned it."""
-        values = self._values
+        """One micro-batch: its count and its loss as its forward returned it."""
         self.length += 1
         self.real += not filler
-        values.counts.append(count)
-        values.on_host = values.on_host and type(count) is float
-        values.losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
+        self._counts.append(count)
+        self._losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
         if aux is not None:
-            values.aux.append(aux.detach())
+            self._aux.append(aux.detach())
 
     def flag(self, problem: Problem, detail: str = "") -> None:
-        """A problem found on the host; ``detail`` says what this rank saw (a note of its error)."""
+        """A problem found on the host; ``detail`` says what this rank saw."""
         self._flags.add(problem)
-        self._detail = self._detail or detail
+        self.detail = self.detail or detail
 
     def check_equal(self, problem: Problem, left: Tensor | float, right: Tensor | float,
                     hint: Tensor | None = None) -> None:
         """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
-        self._values.checks.setdefault(problem, []).append((left, right, hint))
+        self._pairs.setdefault(problem, []).append((left, right, hint))
 
     def add_to(self, slot: Slot, value: Tensor) -> None:
         """Add a device value to ``slot`` of the record (``NAIVE``)."""
         self._added.append((slot, value))
 
-    # ---- ending ----
+    def count_received(self, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool,
+                       use_num_items: bool) -> Tensor:
+        """The count of the batch the forward received, a float64 device scalar (no host sync). With
+        ``use_num_items`` a reported 'num_items' is the count; where both it and ``count_fn`` (``given``: the
+        user's own) give one, they are checked to agree."""
+        reported = None if output.num_items is None else self._on_device(output.num_items, "'num_items'")
+        counted = None
+        if given or output.num_items is None or not use_num_items:
+            try:
+                counted = self._on_device(count_fn(batch), "`count_fn`")
+            except Exception as error:  # every rank must reach the collective to learn of it
+                self.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__} on the batch"
+                          f" `training_step` received: {error}")
+        if reported is not None and counted is not None:
+            self.check_equal(mismatch(given), reported, counted, first_labels(batch))
+        chosen = reported if reported is not None and use_num_items else counted
+        return chosen if chosen is not None else self.channel.zero()
 
-    def close(self, host: Mapping[Slot, float] = _NOTHING) -> Closing:
-        """After the window's last forward: start its exchange (``host``: what else the record carries, host values
-        the mode and the epoch add).
+    def _on_device(self, value: Any, source: str) -> Tensor | None:
+        count, detail = device_count(value, source, self.channel.world.device)
+        if count is None:
+            self.flag(Problem.COUNT_FAILED, detail)
+        return count
+
+    # ---- the exchange ----
+
+    def close(self, host: Mapping[Slot, float] = NO_SLOTS) -> None:
+        """After the window's last forward: start its exchange (``host``: host slots the mode and the pass add).
 
         The record carries the window's sums and what tells a problem from them (a non-finite sum, a bad count, a
         check that differs): a handful of kernels. Which rank had which problem is only worked out when some sum
-        says there is one (:meth:`Closing.result`); under tensor parallelism, where the replicas must share their
-        problems before the record, it is worked out at once.
+        says there is one (:meth:`read`); under tensor parallelism, where the replicas must share their problems
+        before the record, it is worked out at once.
         """
-        values = self._values
+        for check in self._checks:
+            for problem, detail in check():
+                self.flag(problem, detail)
         length = float(self.length)
         sums = {**host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
         device: list[tuple[Slot | Slots, Tensor]] = list(self._added)
         flags: set[Problem] = self._flags
         device_flags: list[tuple[Problem, Tensor]] = []
-        if values.on_host:
-            local: Tensor | float = self._host_sums(sums, device)
+        if all(type(count) is float for count in self._counts):
+            self._local = self._host_sums(sums, device)
         else:
-            local = self._device_sums(device)
-        if values.aux:
-            device.append((Slot.AUX_SUM, torch.stack(values.aux).to(torch.float64).sum()))
-        for checks in values.checks.values():  # how many pairs differ (the diagnosis says by how much)
-            left, right = values.sides(checks)
+            self._local = self._device_sums(device)
+        if self._aux:
+            device.append((Slot.AUX_SUM, torch.stack(self._aux).to(torch.float64).sum()))
+        for pairs in self._pairs.values():  # how many pairs differ (the diagnosis says by how much)
+            left, right = self._sides(pairs)
             device.append((Slot.DIFFERENT, (left != right).sum(dtype=torch.float64)))
         if self.channel.world.replica_group is not None:
-            diagnosis = self.diagnosis()
-            device_flags, flags = diagnosis.shared_with_replicas(self.channel, flags, diagnosis.flags()), set()
-        return Closing(self, self.channel.start(Kind.WINDOW, Values(sums, device, frozenset(flags), device_flags)),
-                       local)
+            device_flags, flags = self._shared_with_replicas(flags, self._device_flags()), set()
+        self._exchange = self.channel.start(Kind.WINDOW, Values(sums, device, frozenset(flags), device_flags))
 
     def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot | Slots, Tensor]]) -> float:
         """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
         multiplication of the losses that have items."""
-        values = self._values
-        counts = [float(count) for count in values.counts]
+        counts = [float(count) for count in self._counts]
         local = math.fsum(counts)
         host[Slot.COUNT] = local
-        kept = [(loss, count if values.mean else 1.0) for loss, count in zip(values.losses, counts, strict=True)
+        kept = [(loss, count if self.mean else 1.0) for loss, count in zip(self._losses, counts, strict=True)
                 if count > 0 and loss is not None]
         if len(kept) == 1:
             loss, weight = kept[0]
             device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
         elif kept:
             losses = torch.stack([loss for loss, _ in kept]).to(torch.float64)
-            weights = _torch.to_device([weight for _, weight in kept], torch.float64, values.device)
+            weights = _torch.to_device([weight for _, weight in kept], torch.float64, self.channel.world.device)
             device.append((Slot.LOSS_SUM, losses @ weights))
         return local
 
     def _device_sums(self, device: list[tuple[Slot | Slots, Tensor]]) -> Tensor:
         """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an
-        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum. The counts and losses go in one
-        stack, the sums come out of one reduction, and go into the record as one vector."""
-        values = self._values
-        length = len(values.counts)
-        both = values.stack([*values.counts, *(values.zero() if loss is None else loss for loss in values.losses)])
-        counts, losses = torch.split(both, length)  # one view op (slicing twice takes two)
+        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum. Counts and losses go in one stack,
+        the sums come out of one reduction and go into the record as one vector."""
+        zero = self.channel.zero()
+        both = self._stack([*self._counts, *(zero if loss is None else loss for loss in self._losses)])
+        counts, losses = torch.split(both, len(self._counts))  # one view op (slicing twice takes two)
         valid = _valid(counts)
         has_items = valid > 0
-        terms = torch.where(has_items, losses, values.zero()) * (valid if values.mean else has_items)
+        terms = torch.where(has_items, losses, zero) * (valid if self.mean else has_items)
         if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
             terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
         count_slots = self.channel.count_slots
@@ -239,69 +333,107 @@ class Tally:
         device.append((slots, sums))
         return sums  # this rank's count first
 
-    def healthy(self, reduced: Reduced) -> bool:
-        """Whether the summed record shows no problem of the device values (a non-finite sum, a bad count, a check
-        that differs): then no rank had one."""
+    def global_count(self) -> Tensor:
+        """N on the device, waiting for the exchange on the device only (no host read)."""
+        return self._started().wait()[_COUNT]
+
+    def read(self) -> tuple[Reduced, float]:
+        """The reduced record and this rank's count: the window's one host read. Raises every rank's problems.
+
+        Where a sum shows a problem of the device values, every rank (each read the same sum) works out its own and
+        exchanges them in one more collective, and all raise the same error naming the ranks.
+        """
+        exchange, local = self._started(), self._local
+        if isinstance(local, Tensor):
+            reduced = exchange.read(extra=local)
+            local = reduced.local[0]
+        else:
+            reduced = exchange.read()
+        healthy = self._healthy(reduced)
+        if not (healthy and reduced.clean()):  # the common case, told from a few slots
+            if not healthy and reduced.in_step():
+                length = float(self.length)
+                values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, self._check_slots(),
+                                frozenset(self._flags), self._device_flags())
+                self.channel.reduce(Kind.DIAGNOSIS, values).check(self.where, self.detail)
+            reduced.check(self.where, self.detail)
+        self.ended = True
+        return reduced, float(local)
+
+    def _started(self) -> Exchange:
+        if self._exchange is None:
+            raise RuntimeError("token_mean: internal error: a window ended before its last forward was done.")
+        return self._exchange
+
+    def stats(self, reduced: Reduced, local: float, global_count: float, aux: float | None = None) -> WindowStats:
+        return WindowStats(global_count=global_count, local_count=local, rank_counts=reduced.rank_counts(),
+                           window_length=self.length,
+                           loss=None if global_count == 0 else reduced[Slot.LOSS_SUM] / global_count,
+                           skipped=global_count == 0, mode=self.mode, aux_loss=aux)
+
+    # ---- what tells the problems apart ----
+
+    def _healthy(self, reduced: Reduced) -> bool:
+        """Whether the summed record shows no problem of the device values: then no rank had one."""
         values = reduced.values
         counted = math.isfinite(values[Slot.COUNT]) and values[Slot.BAD_COUNTS] == 0
         losses = not self._judge_losses or math.isfinite(values[Slot.LOSS_SUM])
         return counted and losses and math.isfinite(values[Slot.AUX_SUM]) and values[Slot.DIFFERENT] == 0
 
-    def diagnosis(self) -> Diagnosis:
-        """Which device problems this rank had (what a diagnosis, or the replicas of a tensor-parallel group,
-        exchange)."""
-        return Diagnosis(self._values, self._judge_counts, self._judge_losses)
+    def _stack(self, values: Sequence[Tensor | float]) -> Tensor:
+        """float64 on the device: host floats in one copy, device values stacked. A host float among device values
+        is filled in on the device (a kernel argument): a copy from pageable host memory would wait for the
+        device's queue inside the window on CUDA."""
+        device = self.channel.world.device
+        if all(type(value) is float for value in values):
+            return _torch.to_device(values, torch.float64, device)  # type: ignore[arg-type]
+        stacked = torch.stack([value.to(device) if isinstance(value, Tensor)
+                               else torch.full((), value, dtype=torch.float64, device=device) for value in values])
+        return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
 
+    def _sides(self, pairs: list[Check]) -> tuple[Tensor, Tensor]:
+        return self._stack([left for left, _, _ in pairs]), self._stack([right for _, right, _ in pairs])
 
-class Diagnosis:
-    """Which problems of its device values one rank's window had, worked out on the device (the record only carried
-    their sums), and the numbers that explain a failed check."""
-
-    def __init__(self, values: _Values, judge_counts: bool, judge_losses: bool) -> None:
-        self._values = values
-        self._judge_counts = judge_counts
-        self._judge_losses = judge_losses
-
-    def flags(self) -> list[tuple[Problem, Tensor]]:
-        values = self._values
-        flags: list[tuple[Problem, Tensor]] = []
-        counts = values.counts_stacked()
+    def _device_flags(self) -> list[tuple[Problem, Tensor]]:
+        """Which problems of its device values this rank had, worked out on the device."""
+        counts = self._stack(self._counts)
         valid = _valid(counts)
+        flags: list[tuple[Problem, Tensor]] = []
         if self._judge_counts:
             flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
         if self._judge_losses:
-            losses = values.losses_stacked()
-            weighted = losses * (valid if values.mean else (valid > 0).to(torch.float64))
-            bad_values = _nonfinite(weighted) & (valid > 0)
+            zero = self.channel.zero()
+            losses = torch.stack([zero if loss is None else loss for loss in self._losses]).to(torch.float64)
+            bad_values = _nonfinite(losses * (valid if self.mean else (valid > 0).to(torch.float64))) & (valid > 0)
             bad_loss = _nonfinite(losses)
             # a finite loss times a huge count: the count's fault, not the model's
             flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
                       (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
-        if values.aux:
-            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(values.aux).to(torch.float64)).any()))
-        for problem, checks in values.checks.items():
-            left, right = values.sides(checks)
+        if self._aux:
+            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(self._aux).to(torch.float64)).any()))
+        for problem, pairs in self._pairs.items():
+            left, right = self._sides(pairs)
             flags.append((problem, (left != right).any()))
         return flags
 
-    def check_slots(self) -> list[tuple[Slot, Tensor]]:
+    def _check_slots(self) -> list[tuple[Slot | Slots, Tensor]]:
         """The two sides of each failed check, summed over the micro-batches where they differ (and the first labels
         there, a hint for 'num_items')."""
-        values = self._values
-        slots = []
-        for problem, checks in values.checks.items():
-            left, right = values.sides(checks)
+        slots: list[tuple[Slot | Slots, Tensor]] = []
+        for problem, pairs in self._pairs.items():
+            left, right = self._sides(pairs)
             differ = left != right
             slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
                                                                            strict=True)]
-            hints = [hint for _, _, hint in checks]
+            hints = [hint for _, _, hint in pairs]
             if any(hint is not None for hint in hints):
-                first = torch.stack([values.zero() if h is None else h.to(values.device, torch.float64) for h in hints])
+                zero = self.channel.zero()
+                first = torch.stack([zero if h is None else h.to(zero.device, torch.float64) for h in hints])
                 slots.append((Slot.FIRST, (first * differ).sum()))
         return slots
 
-    def shared_with_replicas(self, channel: Channel, flags: set[Problem],
-                             device_flags: list[tuple[Problem, Tensor]]) -> list[tuple[Problem, Tensor]]:
+    def _shared_with_replicas(self, flags: set[Problem],
+                              device_flags: list[tuple[Problem, Tensor]]) -> list[tuple[Problem, Tensor]]:
         """The ranks holding this rank's batches (a tensor-parallel group) count alike, and share their problems.
 
         One MAX all-reduce of 2 × (micro-batches) + (problems) float64 over the replica group. Exact for any float
@@ -309,8 +441,8 @@ class Diagnosis:
         group becomes a problem of each (the window's record only sums over the data-parallel ranks), so every rank
         of the mesh raises, and none is left in a collective with a peer that raised.
         """
-        device = self._values.device
-        counts = _valid(self._values.counts_stacked())
+        device = self.channel.world.device
+        counts = _valid(self._stack(self._counts))
         problems = list(Problem)
         index = {problem: position for position, problem in enumerate(problems)}
         raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, device)
@@ -319,7 +451,7 @@ class Diagnosis:
             found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
             raised = raised.index_add(0, where, found)
         both = torch.cat([counts, -counts, raised])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=channel.world.replica_group)
+        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.channel.world.replica_group)
         size = counts.numel()
         shared = both[2 * size :].clamp(max=1.0)
         differ = (both[:size] != -both[size : 2 * size]).any()
@@ -340,66 +472,15 @@ def _nonfinite(values: Tensor) -> Tensor:
     return (values - values).ne(0)
 
 
-class Closing:
-    """A window after its last forward: its exchange is in flight; :meth:`result` reads it after the last backward."""
-
-    def __init__(self, window: Tally, exchange: Exchange, local_count: Tensor | float) -> None:
-        self.window = window
-        self._exchange = exchange
-        self._local_count = local_count
-
-    def global_count(self) -> Tensor:
-        """N on the device, waiting for the exchange on the device only (no host read)."""
-        return self._exchange.wait()[_COUNT]
-
-    def result(self) -> Result:
-        """The reduced record and this rank's count (the window's one host read); raises every rank's problems.
-
-        Where a sum shows a problem of the device values, every rank (each read the same sum) works out its own and
-        exchanges them in one more collective, and all raise the same error naming the ranks.
-        """
-        window, local = self.window, self._local_count
-        if isinstance(local, Tensor):
-            reduced = self._exchange.read(extra=local)
-            local = reduced.local[0]
-        else:
-            reduced = self._exchange.read()
-        healthy = window.healthy(reduced)
-        if not (healthy and reduced.clean()):  # the common case, told from a few slots
-            if not healthy and reduced.in_step():
-                diagnosis, length = window.diagnosis(), float(window.length)
-                values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length},
-                                diagnosis.check_slots(), frozenset(window.flags), diagnosis.flags())
-                window.channel.reduce(Kind.DIAGNOSIS, values).check(window.where, window.detail)
-            reduced.check(window.where, window.detail)
-        return Result(reduced, float(local), window.length)
-
-
-class Result(NamedTuple):
-    """What a window's exchange brought back, every problem already raised."""
-
-    reduced: Reduced
-    local_count: float
-    length: int
-
-    def stats(self, global_count: float, mode: str, aux: float | None) -> WindowStats:
-        return WindowStats(
-            global_count=global_count,
-            local_count=self.local_count,
-            rank_counts=self.reduced.rank_counts(),
-            window_length=self.length,
-            loss=None if global_count == 0 else self.reduced[Slot.LOSS_SUM] / global_count,
-            skipped=global_count == 0,
-            mode=mode,
-            aux_loss=aux,
-        )
+def mismatch(count_fn_given: bool) -> Problem:
+    """The problem a 'num_items' that disagrees with the count is."""
+    return Problem.NUM_ITEMS_MISMATCH_COUNT_FN if count_fn_given else Problem.NUM_ITEMS_MISMATCH_DEFAULT
 
 
 def check_global_count(global_count: float, numerator: float, where: Callable[[], str], detail: str,
                        rank: int) -> None:
     """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize the window
-    ``where()`` names (asked only then): N itself, or ``numerator / N`` (the largest factor the mode makes of it),
-    is not finite."""
+    ``where()`` names: N itself, or ``numerator / N`` (the largest factor the mode makes of it), is not finite."""
     if math.isfinite(global_count) and math.isfinite(scale_of(numerator, global_count)):
         return
     lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
@@ -416,4 +497,35 @@ def scale_of(numerator: float, count: float) -> float:
         return math.inf
 
 
-__all__ = ["Closing", "Diagnosis", "Result", "Tally", "WindowStats", "check_global_count", "scale_of"]
+def trained_twice_or_skipped(what: str) -> RuntimeError:
+    """The loop trains or steps at another batch than the window's: one message wherever it is found."""
+    return RuntimeError(
+        f"token_mean: {what}: a batch was trained twice or skipped (an `optimizer_step` override that calls the"
+        " closure twice does this). Call the closure once per batch; if this is not such a case, please report it"
+        " with your settings."
+    )
+
+
+def k_changed(old: int, new: int, position: int, where: str) -> str:
+    return (
+        f"token_mean: `trainer.accumulate_grad_batches` changed from {old} to {new} at batch {position}, {where}."
+        " Change K where a window starts, at a batch whose index is a multiple of the new K (in"
+        " `on_train_batch_start` when `batch_idx % new_k == 0`, or in `on_train_epoch_start`, as"
+        " `GradientAccumulationScheduler` does)."
+    )
+
+
+__all__ = [
+    "NO_END",
+    "Ended",
+    "MicroBatch",
+    "PassEnd",
+    "StepOutput",
+    "Window",
+    "check_global_count",
+    "in_filler_batch",
+    "k_changed",
+    "mismatch",
+    "scale_of",
+    "trained_twice_or_skipped",
+]

@@ -1,16 +1,15 @@
 """``DenominatorMonitor``: log what denominator each optimizer step used, and catch a run drifting from a reference.
 
-The callback wires Lightning's hooks to the framework-free parts: the window's numbers (a token-mean strategy's
-``last_window``, or ``_measure.MeasuredWindow`` under any other strategy), the step's fingerprints
-(``_fingerprint``) and the trace and comparison (``_observe.Observer``).
+The callback wires Lightning's hooks to what both monitors share (``_monitor.Monitoring``). Each window's numbers
+are a token-mean strategy's ``last_window`` (P more floats in its record, no collective of the monitor's own), or,
+under any other strategy, the monitor's own measurement of the window (``_modes.Measured``: one all-reduce per
+window, and a bad count raises the same :class:`~token_mean.DenominatorError` on every rank).
 """
 
 from __future__ import annotations
 
 import math
-import os
 import time
-from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -22,18 +21,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import Auditor, AuditSchedule, MicroBatch, Objective, OnAuditFailure
-from token_mean._counting import CountFn
-from token_mean._counts import count_valid_labels
+from token_mean._audit import Objective, Recorded
+from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import global_norm, grad_norm
-from token_mean._measure import Measured, Published, Windows, measured_world
-from token_mean._mode import LossReduction
-from token_mean._observe import MonitorSettings, Observer, OnDivergence
-from token_mean.results import Audit, Divergence, WindowStats
+from token_mean._layout import shared_world
+from token_mean._modes import Measured
+from token_mean._monitor import Monitoring, audited, loss_and_aux, replayed
+from token_mean._record import Channel
+from token_mean.counts import count_valid_labels
+from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
+BAR_LOSS, BAR_COUNT = "exact_loss", "N"
+"""The progress bar's names of the step's exact token-mean loss and its N (docs/monitor.md)."""
 
-class DenominatorMonitor(Callback):
+
+class DenominatorMonitor(Monitoring, Callback):
     r"""Log, per optimizer step, the global denominator N the update used, and compare the run with a reference.
 
     At the end of every accumulation window the monitor logs, under ``prefix``: ``global_count`` (N), the per-rank
@@ -41,44 +44,27 @@ class DenominatorMonitor(Callback):
     ``naive_weight_error`` (max_r \|P·n_r/N − 1\|: how much a mean of rank means mis-weights a rank), the exact
     token-mean ``loss`` (Σ loss sums / N), ``aux_loss`` when ``training_step`` returns one, ``items_per_sec``, and,
     without a token-mean strategy, ``naive_loss`` (what plain DDP differentiated). Under a
-    :class:`~token_mean.TokenMeanStrategy` the numbers are the strategy's ``last_window`` (P more floats in each
-    window's record, no collective of its own); under any other strategy the monitor measures them itself (one
-    all-reduce per window, and a bad count raises the same :class:`~token_mean.DenominatorError` on every rank).
-    Metrics go to ``trainer.loggers`` from rank zero under the step Lightning logs the batch's own ``self.log``
-    values under, when Lightning logs them or every ``logging_interval`` steps.
+    :class:`~token_mean.TokenMeanStrategy` the numbers are the strategy's ``last_window``; under any other strategy
+    the monitor measures them itself (one all-reduce per window). Metrics go to ``trainer.loggers`` from rank zero
+    under the step Lightning logs the batch's own ``self.log`` values under, when Lightning logs them or every
+    ``logging_interval`` steps; the progress bar shows the step's exact loss and N.
 
     ``record="ref.csv"`` (or ``.jsonl``) writes one trace row per step from rank zero (``step``, ``global_count``,
     ``loss``, ``grad_norm`` before clipping, ``param_norm`` after the update, and for reading only ``world_size``,
-    ``window_length``, ``imbalance``, ``naive_weight_error``); ``reference="ref.csv"`` compares each step with such
-    a trace and reports the first step and quantity outside ``atol + rtol·|reference|`` (N within a relative 1e-9).
-    Recording or comparing costs one pass over the gradients and one over the parameters per step and one
-    device-to-host copy. Every rank compares, so with ``on_divergence="raise"`` all ranks raise together; the trace
-    file must be readable on every rank. The metrics and costs are detailed in ``docs/monitor.md``.
+    ``window_length``, ``imbalance``, ``naive_weight_error``, ``audit_error``); ``reference="ref.csv"`` compares each
+    step with such a trace and reports the first step and quantity outside ``atol + rtol·|reference|``. Recording or
+    comparing costs one pass over the gradients and one over the parameters per step and one device-to-host copy.
+    The metrics and costs are detailed in ``docs/monitor.md``.
 
-    Args:
-        count_fn: the valid items of one micro-batch, used only without a token-mean strategy. Defaults to the
-            strategy's ``count_fn`` if it has one, else :func:`~token_mean.count_valid_labels`.
-        loss_reduction: ``"mean"`` if ``training_step`` returns the micro-batch's mean loss, ``"sum"`` if it returns
-            the sum. Defaults to the strategy's ``loss_reduction``, else ``"mean"``.
-        logging_interval: log every this many optimizer steps; ``None`` logs when Lightning logs step metrics.
-        prefix: the metric names' prefix, ``"{prefix}/global_count"`` and so on.
-        record: write the trace of this run to this ``.csv`` or ``.jsonl`` file (overwritten at the start of fit).
-        reference: compare every step of this run with this trace.
-        rtol: relative tolerance of the comparison.
-        atol: absolute tolerance of the comparison.
-        on_divergence: at the first divergent step, ``"warn"`` warns, ``"raise"`` raises
-            :class:`~token_mean.DivergenceError` on every rank, ``"log"`` logs ``{prefix}/reference_divergence`` at
-            every step and says it once through ``rank_zero_info``.
-        audit_every, on_audit_failure, audit_tolerance: the objective audit (``docs/audit.md``) of the first window
-            and every ``audit_every``-th after it, under any strategy: ``.grad`` against a replay of the window's
-            token-mean gradient, logged as ``{prefix}/audit_error`` and kept in :attr:`audits`.
+    Args: as :class:`FabricMonitor`'s, the same names and defaults (``_monitor.Monitoring``). ``count_fn`` and
+    ``loss_reduction`` are the strategy's under a token-mean strategy; the audit replays ``training_step`` unless
+    ``audit_loss`` is given.
 
     Raises:
         AuditError: with ``on_audit_failure="raise"``, at the first audited window whose gradient is wrong.
-        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit (DTensor parameters,
-            ``SyncBatchNorm``); if a setting is out of range, a trace suffix is not
-            ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same file; at fit start, if
-            the reference is malformed or covers a different number of optimizer steps than this run.
+        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit; if a setting is out of
+            range, a trace suffix is not ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same
+            file; at fit start, if the reference is malformed or covers a different number of optimizer steps.
         TypeError: if ``count_fn`` is not callable.
         DivergenceError: with ``on_divergence="raise"``, at the first divergent step.
 
@@ -91,46 +77,17 @@ class DenominatorMonitor(Callback):
         True
     """
 
-    def __init__(
-        self,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction | None = None,
-        logging_interval: int | None = None,
-        prefix: str = "denominator",
-        record: str | os.PathLike[str] | None = None,
-        reference: str | os.PathLike[str] | None = None,
-        rtol: float = 1e-4,
-        atol: float = 1e-6,
-        on_divergence: OnDivergence = "warn",
-        audit_every: int | None = None,
-        on_audit_failure: OnAuditFailure = "warn",
-        audit_tolerance: float | None = None,
-    ) -> None:
-        _check_measurement(count_fn, loss_reduction)
-        self._auditing = Auditor(AuditSchedule(audit_every, on_audit_failure, audit_tolerance), "DenominatorMonitor")
-        self.audits: list[Audit] = self._auditing.audits  # every audited window of the last fit, in order
-        self._settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "the Trainer's `log_every_n_steps`",
-            "DenominatorMonitor",
-        )
-        self.logging_interval = logging_interval
-        self._count_fn_arg = count_fn
-        self._loss_reduction_arg = loss_reduction
-        self.last_window: WindowStats | None = None
-        """The window of the last optimizer step, as logged."""
-        self._observer: Observer | None = None  # from `setup` (it reads the reference)
-        self._objective: Objective | None = None  # what the audit recomputes, from `setup`
-        self._strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged
-        self._windows: Windows = Measured(count_valid_labels, "mean")  # where each window's numbers come from
-        self._window_started_at = 0.0
-        self._window_length = 0
-        self._grad_norm: Tensor | None = None
-        self._step_at_batch_start = 0
-
-    @property
-    def first_divergence(self) -> Divergence | None:
-        """The first divergent step of the last fit (set on every rank), ``None`` if none or no reference."""
-        return None if self._observer is None else self._observer.first_divergence
+    _count_fn: Any = None  # what the monitor measures and audits with, from `setup` (None: not fitting)
+    _reduction = "mean"
+    _strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged, from `setup`
+    _channel: Channel | None = None  # the measurement's, under any other strategy, from `on_train_start`
+    _measured: Measured | None = None  # the window being measured
+    _published: WindowStats | None = None  # the strategy's last window already logged
+    _warned = False
+    _started_at = 0.0
+    _length = 0  # micro-batches of the window so far
+    _grad_norm: Tensor | None = None
+    _step = 0  # the optimizer step of the batch in flight
 
     @override
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -138,166 +95,136 @@ class DenominatorMonitor(Callback):
             return
         strategy = trainer.strategy
         self._strategy = strategy if isinstance(strategy, TokenMeanStrategy) else None
+        settings = self._settings
         if self._strategy is not None:
             self._strategy.track_rank_counts()  # the per-rank figures need every rank's count
-        count_fn, reduction = _measured_by(self._count_fn_arg, self._loss_reduction_arg, self._strategy)
-        self._windows = Measured(count_fn, reduction) if self._strategy is None else Published(self._strategy)
-        self._observer = Observer(self._settings)
-        aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        self._objective = _trainer_objective(trainer, count_fn, reduction, aux, self._auditing.enabled)
+            if settings.count_fn is not None and settings.count_fn is not self._strategy.count_fn:
+                rank_zero_warn(
+                    "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
+                    f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy."
+                )
+            self._count_fn, self._reduction = self._strategy.count_fn, self._strategy.loss_reduction
+        else:
+            self._count_fn, self._reduction = settings.count_fn or count_valid_labels, "mean"
+        self._reduction = settings.loss_reduction or self._reduction
+        self._read_reference()
+        if self._auditor.enabled and not pl_module.automatic_optimization:
+            raise ValueError(
+                "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
+                " False`, `training_step` calls backward and the optimizer itself, so replaying it would train. Remove"
+                " `audit_every`."
+            )
 
     @override
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        if self._observer is None:  # `setup` of another stage
+        if self._count_fn is None:  # `setup` of another stage
             return
-        self.last_window = None
-        self._reset_window()
-        world = measured_world(trainer)  # the ranks that share the denominator: the measurement's and the audit's
-        self._windows.start(trainer, world)
-        self._auditing.prepare(pl_module, self._objective, world, str(trainer.precision))  # sharded after `setup`
-        self._auditing.start(trainer.global_step)
-        self._observer.start(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
+        model = trainer.strategy.model if trainer.strategy.model is not None else pl_module
+        world = shared_world(trainer.strategy, model)  # the ranks that share N: the measurement's and the audit's
+        if self._strategy is None:
+            if world.distributed or trainer.world_size > 1:
+                destroy_process_group_at_exit()  # the measurement's collectives run on a group a plain strategy keeps
+            self._channel = Channel(world, rank_counts=True)
+        aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
+        loss = _training_step_loss if self._settings.audit_loss is None else replayed(self._settings.audit_loss)
+        objective = Objective(loss, self._count_fn, self._reduction, aux,
+                              trainer.strategy.precision_plugin.train_step_context)
+        self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
+        self._auditor.start(trainer.global_step)
+        self._published, self._warned = None, False
+        self._start_run(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
+        self._new_window()
 
-    def _reset_window(self) -> None:
-        self._window_length = 0
-        self._grad_norm = None
-        self._windows.reset()
+    def _new_window(self) -> None:
+        self._length, self._grad_norm, self._measured = 0, None, None
 
     @override
     def on_train_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._reset_window()  # Lightning restarts windows every epoch
+        self._new_window()  # Lightning restarts windows every epoch
 
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
-        self._step_at_batch_start = trainer.global_step
-        if self._window_length == 0:
-            self._window_started_at = time.perf_counter()
-        self._auditing.micro_batch(trainer.global_step, self._window_length == 0, batch, False, batch_idx)
+        self._step = trainer.global_step
+        if self._length == 0:
+            self._started_at = time.perf_counter()
+        self._auditor.micro_batch(trainer.global_step, self._length == 0, batch, False, batch_idx)
 
     @override
     def on_before_backward(self, trainer: Trainer, pl_module: LightningModule, loss: Tensor) -> None:
         if self._strategy is not None and self._strategy.is_filler_batch:  # known from the micro-batch's forward on
-            self._auditing.filler()
+            self._auditor.filler()
 
     @override
     def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Optimizer) -> None:
         # callbacks' hooks run before the module's, and clipping after both: `.grad` is what the update would use
-        self._auditing.audit(pl_module, trainer.global_step, lambda: _unseen(pl_module, self._strategy, trainer))
-        if self._observer is not None and self._observer.fingerprints:
+        self._auditor.audit(pl_module, trainer.global_step, lambda: _unseen(pl_module, self._strategy, trainer))
+        if self.fingerprints:
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
     @override
-    def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
-    ) -> None:
-        observer = self._observer
-        if observer is None:
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        if self._count_fn is None:  # not fitting
             return
-        self._windows.add(trainer, pl_module, batch, outputs, batch_idx, self._step_at_batch_start)
-        self._window_length += 1
+        if self._strategy is None:
+            if self._measured is None:
+                self._measured = Measured(self._channel, batch_idx, self._step, self._count_fn,  # type: ignore[arg-type]
+                                          self._reduction)
+            # Lightning divided the closure loss by K under automatic optimization
+            self._measured.add_batch(batch, outputs, trainer.accumulate_grad_batches
+                                     if pl_module.automatic_optimization else 1)
+        self._length += 1
         if not _lightning.steps_after_this_batch(trainer):
             return  # still accumulating
-        step, gradient = self._step_at_batch_start, self._grad_norm
-        elapsed = time.perf_counter() - self._window_started_at
-        stats, naive_loss = self._windows.finish(step)
-        self._reset_window()
-        audit = self._auditing.window_end(step)
+        step, gradient, elapsed = self._step, self._grad_norm, time.perf_counter() - self._started_at
+        stats, naive_loss = self._window_stats(step)
+        self._new_window()
+        stats = audited(stats, self._auditor.window_end(step)) if stats is not None else None
         if stats is None:
             return
-        self.last_window = stats
-        _lightning.show_on_progress_bar(trainer, _bar_values(stats))
-        norms = (gradient, _param_norm(trainer, pl_module)) if observer.fingerprints else (None, None)
-        audit_error = None if audit is None else audit.error
-        metrics, divergent = observer.window(step, stats, elapsed, norms, naive_loss, audit_error)
-        if _should_log(trainer, self.logging_interval, step) or divergent or audit_error is not None:
-            _log_metrics(trainer, metrics, step)
+        _lightning.show_on_progress_bar(trainer, {BAR_LOSS: math.nan if stats.loss is None else stats.loss,
+                                                  BAR_COUNT: stats.global_count})
+        param_norm = global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device) \
+            if self.fingerprints else None
+        metrics, log_now = self._window(step, stats, elapsed, (gradient, param_norm), naive_loss)
+        interval = self.logging_interval
+        due = _lightning.should_update_logs(trainer) if interval is None else (
+            (step + 1) % interval == 0 or trainer.should_stop)
+        if (due or log_now) and trainer.is_global_zero:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+
+    def _window_stats(self, step: int) -> tuple[WindowStats | None, float | None]:
+        """The window that just ended: the strategy's (None, with a warning once, if it published none), or the
+        measured one with plain DDP's own loss."""
+        if self._strategy is None:
+            measured, self._measured = self._measured, None
+            return (None, None) if measured is None else measured.finish()
+        stats = self._strategy.last_window
+        if stats is not None and stats is not self._published:
+            self._published = stats
+            return stats, None
+        if not self._warned:
+            self._warned = True
+            rank_zero_warn(f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
+                           " DenominatorMonitor logs nothing for such steps.")
+        return None, None
 
     @override
     def on_exception(self, trainer: Trainer, pl_module: LightningModule, exception: BaseException) -> None:
-        self._close()
+        self.close()
 
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
-        self._close()
-
-    def _close(self) -> None:
-        if self._observer is not None:
-            self._observer.close()
+        self.close()
 
 
-BAR_LOSS, BAR_COUNT = "exact_loss", "N"
-"""The progress bar's names of the step's exact token-mean loss and its N (docs/monitor.md)."""
-
-
-def _bar_values(stats: WindowStats) -> dict[str, float]:
-    """What the bar shows after a step: Lightning's own `train_loss` there is the last micro-batch's loss. Host
-    floats the window already read: no tensor, no host read. A step without items shows NaN, not the last loss."""
-    return {BAR_LOSS: math.nan if stats.loss is None else stats.loss, BAR_COUNT: stats.global_count}
-
-
-def _param_norm(trainer: Trainer, pl_module: LightningModule) -> Tensor | None:
-    return global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
-
-
-def _log_metrics(trainer: Trainer, metrics: dict[str, float], step: int) -> None:
-    if trainer.is_global_zero:
-        for logger in trainer.loggers:
-            logger.log_metrics(metrics, step=step)
-
-
-def _should_log(trainer: Trainer, interval: int | None, step: int) -> bool:
-    if interval is None:
-        return _lightning.should_update_logs(trainer)  # when Lightning logs the batch's own `self.log` values
-    return (step + 1) % interval == 0 or trainer.should_stop
-
-
-def _trainer_objective(trainer: Trainer, count_fn: CountFn, reduction: str, aux: bool, audited: bool) -> Objective:
-    """What the audit recomputes under the Trainer: ``training_step``'s loss, under its precision context."""
-    _check_auditable(trainer.lightning_module, audited)
-    context = trainer.strategy.precision_plugin.train_step_context
-    return Objective(_training_step_loss, count_fn, reduction, aux, context)
-
-
-def _check_auditable(pl_module: LightningModule, audited: bool) -> None:
-    if audited and not pl_module.automatic_optimization:
-        raise ValueError(
-            "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
-            " False`, `training_step` calls backward and the optimizer itself, so replaying it would train. Remove"
-            " `audit_every`."
-        )
-
-
-def _measured_by(
-    count_fn: CountFn | None, loss_reduction: LossReduction | None, strategy: TokenMeanStrategy | None
-) -> tuple[CountFn, LossReduction]:
-    """The count and loss reduction the monitor measures and audits with: the strategy's, else the monitor's."""
-    if strategy is not None and count_fn is not None and count_fn is not strategy.count_fn:
-        rank_zero_warn(
-            "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
-            f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy instead."
-        )
-    if strategy is not None:
-        return strategy.count_fn, loss_reduction or strategy.loss_reduction
-    return count_fn or count_valid_labels, loss_reduction or "mean"
-
-
-def _check_measurement(count_fn: object, loss_reduction: object) -> None:
-    if count_fn is not None and not callable(count_fn):
-        raise TypeError(
-            f"`count_fn` must be a callable batch -> count, got {type(count_fn).__name__}: {count_fn!r}."
-            " Pass e.g. `count_fn=lambda batch: (batch['labels'] != -100).sum()`, or leave it out."
-        )
-    if loss_reduction not in (None, "mean", "sum"):
-        raise ValueError(
-            f"`loss_reduction` must be 'mean' (training_step returns the mean loss) or 'sum', got {loss_reduction!r}."
-        )
-
-
-def _training_step_loss(module: torch.nn.Module, micro_batch: MicroBatch) -> tuple[Tensor | None, Tensor | None]:
+def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:
     """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
     from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
 
-    assert isinstance(module, LightningModule)
+    if not isinstance(module, LightningModule):
+        raise RuntimeError("token_mean: internal error: the audit replays a module that is not a LightningModule.")
     step = module.training_step
     args: tuple[Any, ...] = (micro_batch.batch, micro_batch.index)
     if not is_param_in_hook_signature(step, "batch_idx", min_args=2):
@@ -305,15 +232,9 @@ def _training_step_loss(module: torch.nn.Module, micro_batch: MicroBatch) -> tup
     # instance attributes shadow the methods for the replay only: the run's logged metrics stay as they were
     module.log, module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
     try:
-        output = step(*args)
+        return loss_and_aux(step(*args))
     finally:
         del module.log, module.log_dict
-    if isinstance(output, Tensor):
-        return output, None
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
-        aux = output.get("aux_loss")
-        return output["loss"], aux if isinstance(aux, Tensor) else None
-    return None, None  # a skipped micro-batch: no gradient
 
 
 def _ignore(*args: Any, **kwargs: Any) -> None:
@@ -338,4 +259,4 @@ def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trai
     return "; ".join(present)
 
 
-__all__ = ["DenominatorMonitor"]
+__all__ = ["BAR_COUNT", "BAR_LOSS", "DenominatorMonitor"]

@@ -7,110 +7,117 @@ windows (``docs/audit.md``), of the accumulator's loop or of a plain one (LitGPT
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
-from torch import Tensor
+from torch import nn
 
-from token_mean._audit import AuditSchedule, FabricAuditing, OnAuditFailure
-from token_mean._counting import CountFn
-from token_mean._counts import count_valid_labels
+from token_mean import _lightning
+from token_mean._audit import Objective
 from token_mean._fingerprint import global_norm, grad_norm
-from token_mean._mode import LossReduction
-from token_mean._observe import MonitorSettings, Observer, OnDivergence
-from token_mean.results import Audit, Divergence, WindowStats
+from token_mean._layout import World, shared_world
+from token_mean._monitor import Monitoring, audited, replayed
+from token_mean._settings import Settings
+from token_mean.counts import count_valid_labels
+from token_mean.results import Audit, WindowStats
+
+_PLAIN_LOOP_UNSEEN = (
+    "the loop's own scaling of the loss (`fabric.backward(loss / K)` averages micro-batch means, a mean of means:"
+    " use `TokenMeanAccumulator`); an `audit_loss` that is not the loop's loss; gradient hooks on parameters or"
+    " modules; DDP's reducer and comm hooks, FSDP2's reduce-scatter and its gradient divide factor; parameters DDP"
+    " does not reduce (unfrozen after `fabric.setup`); anything the loop does to `.grad` before the audit"
+)
+_ACCUMULATED_UNSEEN = (
+    "gradient hooks on parameters or modules; an `audit_loss` that is not the loss passed to `accumulator.backward`;"
+    " parameters DDP does not reduce; anything the loop does to `.grad` between the backward and `finish()`"
+)
 
 
-class FabricMonitor:
+class FabricMonitor(Monitoring):
     """Log every window of a :class:`~token_mean.fabric.TokenMeanAccumulator` and write or compare its trace, as
-    :class:`~token_mean.DenominatorMonitor` does under the Trainer (the same metrics, trace columns and comparison).
+    :class:`~token_mean.DenominatorMonitor` does under the Trainer: the same arguments and defaults, metrics, trace
+    columns and comparison.
 
     Metrics go through ``fabric.log_dict`` from rank zero under the window's step (windows finished before it), every
-    ``logging_interval`` windows; ``grad_norm`` is taken in ``finish()`` (before clipping), ``param_norm`` after the
-    optimizer step (when the loop asks for the next batch).
+    window or every ``logging_interval`` windows; ``grad_norm`` is taken in ``finish()`` (before clipping),
+    ``param_norm`` after the optimizer step (when the loop asks for the next batch). The reference is read here.
 
-    With ``audit_every``, ``finish()`` audits the first window and every N-th after it (``docs/audit.md``) and puts
-    the figure on its ``WindowStats.audit_error``. A loop without the accumulator (LitGPT's ``fabric.backward(loss
-    / K)``) is audited by calling :meth:`micro_batch` before each micro-batch's forward and :meth:`audit` after
-    the window's last backward, before clipping and the step.
+    With ``audit_every``, ``finish()`` audits the first window and every N-th after it and puts the figure on its
+    ``WindowStats.audit_error``; ``audit_loss(model, batch)`` is then required. A loop without the accumulator is
+    audited by calling :meth:`micro_batch` before each micro-batch's forward and :meth:`audit` after the window's last
+    backward, before clipping and the step; ``count_fn`` and ``loss_reduction`` are then the audit's (with the
+    accumulator, its own).
 
-    Args:
-        logging_interval: log every this many windows.
-        prefix, record, reference, rtol, atol, on_divergence: as for :class:`~token_mean.DenominatorMonitor`.
-        audit_every, on_audit_failure, audit_tolerance: as for :class:`~token_mean.DenominatorMonitor`.
-        audit_loss: ``fn(model, batch) -> loss``, the micro-batch's loss exactly as the loop computes it, on the
-            unwrapped module (the audit replays it; required with ``audit_every``).
-        count_fn, loss_reduction: the audit's count and what ``audit_loss`` returns, in a loop without the
-            accumulator (with one, the accumulator's).
+    Args: as :class:`~token_mean.DenominatorMonitor`'s (``_monitor.Monitoring``).
     """
 
-    def __init__(
-        self,
-        logging_interval: int = 1,
-        prefix: str = "denominator",
-        record: Any = None,
-        reference: Any = None,
-        rtol: float = 1e-4,
-        atol: float = 1e-6,
-        on_divergence: OnDivergence = "warn",
-        audit_every: int | None = None,
-        audit_loss: Callable[[Any, Any], Any] | None = None,
-        on_audit_failure: OnAuditFailure = "warn",
-        audit_tolerance: float | None = None,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction = "mean",
-    ) -> None:
-        settings = MonitorSettings.checked(
-            logging_interval, prefix, record, reference, rtol, atol, on_divergence, "every window (1)", "FabricMonitor"
-        )
-        schedule = AuditSchedule(audit_every, on_audit_failure, audit_tolerance)
-        self.auditing = FabricAuditing(schedule, audit_loss, count_fn or count_valid_labels, loss_reduction)
-        self._interval = logging_interval
-        self._observer = Observer(settings)
+    def _constructed(self) -> None:
+        if self._auditor.enabled and self._settings.audit_loss is None:
+            raise ValueError(
+                f"`audit_every={self._auditor.every}` needs `audit_loss`, a callable fn(model, batch) -> loss computing"
+                " the micro-batch's loss exactly as the loop does, got None."
+            )
+        self._read_reference()
         self._fabric: Any = None
+        self._module: nn.Module | None = None  # the unwrapped module, once attached
+        self._objective: Objective | None = None
         self._step = 0  # windows logged
-        self._pending: tuple[WindowStats, float, Tensor | None] | None = None  # finished, its step not yet taken
+        self._windows = 0  # windows audited or not (the audit's numbering)
+        self._open = False  # a window's first micro-batch was recorded
+        self._pending: tuple[WindowStats, float, Any] | None = None  # finished, its step not yet taken
         self._started_at = time.perf_counter()
         self._started = False
 
-    @property
-    def first_divergence(self) -> Divergence | None:
-        """The first divergent window (set on every rank), ``None`` if none or no reference."""
-        return self._observer.first_divergence
+    def attach(self, model: Any, settings: Settings | None = None, world: World | None = None) -> None:
+        """The model ``fabric.setup`` returned (with the accumulator's settings and the ranks that share its N);
+        a ``ValueError`` if it cannot be audited."""
+        if not self._auditor.enabled:
+            return
+        modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)
+        if modules is None or strategy is None:
+            raise ValueError(f"The audit needs the model `fabric.setup` returned, got {type(model).__name__}.")
+        if world is None:  # a loop without the accumulator: the ranks its layout would have
+            world = shared_world(strategy, modules[0])
+        mine = self._settings
+        count_fn = settings.count_fn if settings is not None else mine.count_fn or count_valid_labels
+        reduction = settings.loss_reduction if settings is not None else mine.loss_reduction or "mean"
+        aux = settings is not None and settings.mode == "lookahead"
+        self._module = modules[1]
+        loss = replayed(self._settings.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
+        objective = Objective(loss, count_fn, reduction, aux, strategy.precision.forward_context)
+        self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
+        self._auditor.start(0)
 
     def resume_at(self, step: int) -> None:
-        """A resumed run (``accumulator.load_state_dict``): its windows are numbered on from the checkpoint's, as in
-        the uninterrupted run's trace."""
+        """A resumed run (``accumulator.load_state_dict``): its windows are numbered on from the checkpoint's."""
         self._step = step
 
     def start(self, fabric: Any) -> None:
         """A pass starts (the first one opens the trace)."""
         self._fabric = fabric
         if not self._started:
-            self._observer.start(fabric.global_rank == 0, self._step, float("inf"))
+            self._start_run(fabric.global_rank == 0, self._step, float("inf"))
             self._started = True
         self._started_at = time.perf_counter()
 
-    @property
-    def audits(self) -> list[Audit]:
-        """Every audited window so far, in order."""
-        return self.auditing.auditor.audits
-
     def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None:
         """A micro-batch's forward is about to run (the accumulator says so itself; a loop without it calls this)."""
-        self.auditing.micro_batch(model, batch, filler)
+        if self._auditor.enabled and self._module is None:
+            self.attach(model)
+        self._auditor.micro_batch(self._windows, not self._open, batch, filler)
+        self._open = True
 
-    def audit(self, model: Any) -> Audit | None:
+    def audit(self, model: Any, unseen: str = _PLAIN_LOOP_UNSEEN) -> Audit | None:
         """In a loop without the accumulator: the window's last backward is done; its audit (None if not audited)."""
-        return self.auditing.audit(model)
+        window, self._windows, self._open = self._windows, self._windows + 1, False
+        if self._module is None:
+            return None
+        self._auditor.audit(self._module, window, lambda: unseen)
+        return self._auditor.window_end(window)
 
     def finished(self, model: Any, stats: WindowStats) -> WindowStats:
         """A window ended (``accumulator.finish()``): its audit and gradient norm now, before clipping."""
-        audit = self.auditing.audit(model, _ACCUMULATED_UNSEEN)
-        if audit is not None:
-            stats = replace(stats, audit_error=audit.error)
-        gradient = grad_norm(model, self._fabric.device) if self._observer.fingerprints else None
+        stats = audited(stats, self.audit(model, _ACCUMULATED_UNSEEN))
+        gradient = grad_norm(model, self._fabric.device) if self.fingerprints else None
         self._pending = (stats, time.perf_counter() - self._started_at, gradient)
         return stats
 
@@ -119,26 +126,14 @@ class FabricMonitor:
         if self._pending is None:
             return
         (stats, elapsed, gradient), self._pending = self._pending, None
-        param_norm = None
-        if self._observer.fingerprints:
-            param_norm = global_norm([p.detach() for p in model.parameters()], self._fabric.device)
-        metrics, divergent = self._observer.window(self._step, stats, elapsed, (gradient, param_norm),
-                                                   audit_error=stats.audit_error)
-        log_now = (self._step + 1) % self._interval == 0 or divergent or stats.audit_error is not None
-        if log_now and self._fabric.global_rank == 0:
+        param_norm = global_norm([p.detach() for p in model.parameters()], self._fabric.device) \
+            if self.fingerprints else None
+        metrics, log_now = self._window(self._step, stats, elapsed, (gradient, param_norm))
+        interval = self.logging_interval or 1
+        if ((self._step + 1) % interval == 0 or log_now) and self._fabric.global_rank == 0:
             self._fabric.log_dict(metrics, step=self._step)
         self._step += 1
         self._started_at = time.perf_counter()
-
-    def close(self) -> None:
-        """Close the trace file (at the end of training)."""
-        self._observer.close()
-
-
-_ACCUMULATED_UNSEEN = (
-    "gradient hooks on parameters or modules; an `audit_loss` that is not the loss passed to `accumulator.backward`;"
-    " parameters DDP does not reduce; anything the loop does to `.grad` between the backward and `finish()`"
-)
 
 
 __all__ = ["FabricMonitor"]

@@ -11,7 +11,7 @@ from torch.nn import Module
 from torchmetrics import Metric
 from typing_extensions import override
 
-from token_mean._filler import in_filler_batch
+from token_mean._window import in_filler_batch
 
 _STATES = ("loss_sum", "count")
 

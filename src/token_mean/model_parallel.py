@@ -13,11 +13,9 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from typing_extensions import override
 
-from token_mean import _fsdp, _lightning
-from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
-from token_mean._core import Layout
-from token_mean._fsdp import Outputs, check_reduction
-from token_mean._mode import Mode
+from token_mean import _lightning
+from token_mean._layout import Outputs, check_reduction
+from token_mean._settings import check_passed_through, named_parameters
 from token_mean.strategy import TokenMeanStrategy
 
 _PASSED_THROUGH = named_parameters(ModelParallelStrategy.__init__)
@@ -99,16 +97,8 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
             )
 
     @override
-    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+    def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
         check_passed_through(type(self).__name__, "ModelParallelStrategy", kwargs, _PASSED_THROUGH)
-        check_parent_values(type(self).__name__, kwargs)
-
-    @override
-    def _layout(self) -> Layout:
-        model = self.model
-        if model is None:
-            raise RuntimeError("token_mean: internal error: no model at fit start.")
-        return _fsdp.layout(model, self.device_mesh, self.root_device)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:

@@ -30,8 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from token_mean._compare import TraceComparison
-from token_mean._trace import TraceRow, read_trace
+from token_mean._trace import TraceComparison, TraceRow, read_trace
 
 DEFAULT_RTOL = 1e-4
 """``DenominatorMonitor``'s default ``rtol`` (a test keeps them equal)."""

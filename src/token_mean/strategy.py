@@ -1,20 +1,19 @@
 """The token-mean Trainer strategies: ``TokenMeanStrategy``, the hooks both share, and ``TokenMeanDDPStrategy``.
 
 ``TokenMeanStrategy`` sits in front of a Lightning parallel strategy in the method resolution order (``class
-TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy)``). Its hooks are a few lines each: Lightning's loop hands
-batches to the fit's :class:`~token_mean._epoch.Epochs` (``_lightning.read_through``), ``training_step`` takes the
-micro-batch from the current epoch, ``backward`` runs what the micro-batch says, and ``optimizer_step`` steps after
-the window's last. A strategy built on it says only what its parallel layout is (``_layout``) and where its
-checkpoint state is restored.
+TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy)``). Its hooks are a few lines each: Lightning's loop reads its
+training batches through the fit's :class:`~token_mean._epoch.Passes` (``_lightning.read_through``),
+``training_step`` takes the micro-batch from the current pass, ``backward`` runs what the micro-batch says and ends
+the window after its last, and ``optimizer_step`` steps after that.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import lightning.pytorch as pl
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -25,46 +24,41 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from token_mean import _ddp, _lightning
-from token_mean._arguments import check_parent_values, check_passed_through, named_parameters
-from token_mean._core import Layout, checked_settings, make_mode
-from token_mean._counting import CountFn
-from token_mean._epoch import Epochs
+from token_mean import _lightning
+from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
+from token_mean._epoch import Passes
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._mode import LossReduction, MicroBatch, Mode, StepOutput
-from token_mean._trainer import CHECKPOINT_KEY, catch_up, check_fit, checkpoint_state, once, restore, step_disagreement
+from token_mean._layout import Layout, layout, stand_in_loss
+from token_mean._modes import make_mode
+from token_mean._settings import (
+    CountFn,
+    LossReduction,
+    Mode,
+    check_passed_through,
+    checked_settings,
+    named_parameters,
+)
+from token_mean._window import MicroBatch, StepOutput, trained_twice_or_skipped
+from token_mean.errors import DenominatorError
 from token_mean.results import WindowStats
-
-
-class _Fit(NamedTuple):
-    """What a fit's hooks need: its trainer, and its passes over the training batches (their mode)."""
-
-    trainer: pl.Trainer
-    epochs: Epochs
 
 
 class TokenMeanStrategy(ParallelStrategy):
     """The base of the token-mean Trainer strategies: ``isinstance(trainer.strategy, TokenMeanStrategy)``.
 
-    Not a strategy by itself: a subclass also derives from a concrete Lightning strategy and says what its parallel
-    layout is (``_layout``).
+    Not a strategy by itself: a subclass also derives from a concrete Lightning strategy.
     """
 
-    def __init__(
-        self,
-        count_fn: CountFn | None = None,
-        loss_reduction: LossReduction = "mean",
-        mode: Mode = "lookahead",
-        pad_uneven_ranks: bool = True,
-        **kwargs: Any,
-    ) -> None:
-        self._settings, self._mode_name = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
-        self._check_kwargs(self._mode_name, kwargs)
+    def __init__(self, count_fn: CountFn | None = None, loss_reduction: LossReduction = "mean",
+                 mode: Mode = "lookahead", pad_uneven_ranks: bool = True, **kwargs: Any) -> None:
+        self._settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
+        self._check_kwargs(kwargs)
         super().__init__(**kwargs)
-        self._fit: _Fit | None = None  # the fit's trainer and passes (with its mode), from `setup` on
+        self._passes: Passes | None = None  # the fit's passes over the training batches (and its mode), from `setup`
         self._micro: MicroBatch | None = None  # the micro-batch in flight, until its window's optimizer step
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
+        self._unwrap_hook: Callable[[], None] = lambda: None
 
     @property
     def count_fn(self) -> CountFn:
@@ -77,7 +71,7 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @property
     def mode(self) -> Mode:
-        return self._mode_name
+        return self._settings.mode
 
     @property
     def last_window(self) -> WindowStats | None:
@@ -87,7 +81,7 @@ class TokenMeanStrategy(ParallelStrategy):
     @property
     def skipped_steps(self) -> int:
         """Optimizer steps skipped because their window had no valid item on any rank."""
-        return 0 if self._fit is None else self._fit.epochs.mode.skipped_steps
+        return 0 if self._passes is None else self._passes.mode.skipped_steps
 
     @property
     def is_filler_batch(self) -> bool:
@@ -104,21 +98,17 @@ class TokenMeanStrategy(ParallelStrategy):
         """
         self._track_rank_counts = True
 
-    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
-        """Refuse the parent strategy's arguments that ``mode`` cannot combine with (none by default)."""
-
-    @abstractmethod
-    def _layout(self) -> Layout:
-        """The core's view of the parallel layout (the model is wrapped)."""
+    def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
+        """Refuse the parent strategy's arguments the settings cannot combine with."""
 
     def _stand_in_loss(self) -> Tensor:
         """What the backward runs when ``training_step`` returned no loss, so this rank's collectives still run."""
-        return _ddp.stand_in_loss(self._module())
+        return stand_in_loss(self._module())
 
     @override
     def setup_environment(self) -> None:
         super().setup_environment()  # starts the process group
-        if self._distributed():
+        if self.world_size > 1 and dist.is_available() and dist.is_initialized():
             destroy_process_group_at_exit()
 
     @override
@@ -127,61 +117,61 @@ class TokenMeanStrategy(ParallelStrategy):
         if trainer.state.fn != TrainerFn.FITTING:
             return
         check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
-        layout = self._layout()
-        mode = make_mode(self._mode_name, layout, self._settings, self._track_rank_counts)
-        self._fit = _Fit(trainer, Epochs(mode, self._settings.pad_uneven_ranks, "epoch", catch_up(trainer, layout)))
-        _lightning.read_through(trainer, self._fit.epochs)
+        if self.model is None:
+            raise RuntimeError("token_mean: internal error: no model at fit start.")
+        mode = make_mode(self._settings, self._layout(self.model), self._track_rank_counts)
+        self._passes = Passes(mode, self._settings.pad_uneven_ranks, "epoch")
+        _lightning.read_through(trainer, self._passes)
+        self._unwrap_hook = _lightning.refuse_early_epoch_end(trainer.lightning_module, self._left_early)
 
-    def _distributed(self) -> bool:
-        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+    def _layout(self, model: Module) -> Layout:
+        return layout(self, model)
 
-    def _normalizing(self) -> _Fit | None:
-        """The fit, but in an epoch without backward passes (SWA's BatchNorm epoch), which runs as plain DDP."""
-        fit = self._fit
-        if fit is None or _lightning.skips_backward(fit.trainer):
+    def _left_early(self, batch_idx: int) -> Exception | None:
+        if self._normalizing() is None:
             return None
-        return fit
+        return DenominatorError(
+            f"token_mean: `on_train_batch_start` returned -1 at batch {batch_idx} on rank {self.global_rank}, ending"
+            " this rank's epoch there. The ranks of a token-mean fit train every accumulation window together, and"
+            " the package does not end one early: on some ranks only, the others would wait in its collectives."
+            "\n  Fix: end epochs early with `limit_train_batches` or `max_steps` (the same on every rank) instead of"
+            " returning -1."
+        )
 
-    @override
-    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
-        super().on_train_batch_start(batch, batch_idx)
-        fit = self._normalizing()
-        if fit is not None and fit.epochs.current is not None:  # after the module's hook, whose -1 ends the epoch here
-            fit.epochs.current.started(_lightning.batch_position(fit.trainer))
-
-    @override
-    def on_train_end(self) -> None:
-        if self._fit is not None:
-            self._fit.epochs.settle()  # this rank may have left the last epoch early
-        super().on_train_end()
+    def _normalizing(self) -> Passes | None:
+        """The fit's passes, but not in an epoch without backward passes (SWA's BatchNorm epoch): plain DDP there."""
+        passes = self._passes
+        if passes is None or _lightning.skips_backward(self._trainer()):
+            return None
+        return passes
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        fit = self._normalizing()
-        if fit is None or fit.epochs.current is None:
+        passes = self._normalizing()
+        if passes is None or passes.current is None:
             return super().training_step(*args, **kwargs)
-        trainer, epoch = fit.trainer, fit.epochs.current
+        trainer, epoch = self._trainer(), passes.current
         position = _lightning.batch_position(trainer)
         micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
-        _lightning.follow(trainer, epoch)  # a stream's window reaches its stop
         if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
-            raise step_disagreement(position, micro.window.where, steps=False)
+            raise trained_twice_or_skipped(f"Lightning does not step the optimizer after batch {position}, the last"
+                                           f" of {micro.window.where}")
         output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
         micro.loss_to_backprop(output, args[0] if args else kwargs.get("batch"))
         return returned  # type: ignore[no-any-return]
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
-        micro = self._micro
-        if micro is None or micro.backprop is None:
+        micro, passes = self._micro, self._passes
+        if micro is None or micro.backprop is None or passes is None or passes.current is None:
             return super().backward(closure_loss, optimizer, *args, **kwargs)
         # the micro-batch's own share of 1/N, taken from training_step's loss: Lightning's copy divided by K is unused
         loss = super().backward(micro.backprop, optimizer, *args, **kwargs)
         micro.backward_done()
-        if micro.last and self._fit is not None:  # the window's one host read: every rank raises before the
-            # update, even if an `optimizer_step` override skips the step
-            self._last_window = micro.window_result()
-            _lightning.follow(self._fit.trainer, micro.window.epoch)  # a stream goes on, or ends
+        if micro.last:  # the window's one host read: every rank raises before the update, even if an
+            # `optimizer_step` override skips the step
+            self._last_window = passes.current.end_window()
+            _lightning.follow(self._trainer(), passes.current)  # a stream goes on, or ends
         return loss
 
     @override
@@ -193,12 +183,20 @@ class TokenMeanStrategy(ParallelStrategy):
         # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
         result = closure()
         micro, self._micro = self._micro, None
-        if micro is None or not micro.last:
+        if micro is None or not micro.last or not micro.window.ended:
+            what = "no window" if micro is None else micro.window.where
             position = -1 if micro is None else micro.position
-            raise step_disagreement(position, "no window" if micro is None else micro.window.where, steps=True)
-        if micro.window_result().skipped:
+            raise trained_twice_or_skipped(f"Lightning steps the optimizer after batch {position}, but {what} ends"
+                                           " there only if it is its last")
+        if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, once(result), model, **kwargs)
+
+    @override
+    def teardown(self) -> None:
+        self._unwrap_hook()
+        self._unwrap_hook = lambda: None
+        super().teardown()
 
     def _module(self) -> pl.LightningModule:
         module = self.lightning_module
@@ -211,18 +209,79 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
-        if self._fit is not None:
-            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._fit.epochs, self._fit.trainer, self._distributed())
+        if self._passes is not None:
+            distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
+            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._passes, self._trainer().accumulate_grad_batches,
+                                                          self.world_size, distributed)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
-        if self._fit is None:
+        if self._passes is None:
             return None
-        own = restore(checkpoint.get(CHECKPOINT_KEY), self._fit.epochs, self.world_size, self.global_rank,
+        own = restore(checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank,
                       has_loader_states)
         return None if own is None else own.loaders
+
+
+def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool, count_fn_given: bool) -> None:
+    """Refuse, at fit start, what the strategy cannot normalize exactly."""
+    module = trainer.lightning_module
+    if not count_fn_given:
+        from token_mean._hf import label_shifting_model, shifted_labels_advice
+
+        model = label_shifting_model(module)
+        if model is not None:
+            raise ValueError(shifted_labels_advice(name, model))
+    accumulate = trainer.accumulate_grad_batches
+    if not isinstance(accumulate, int) or accumulate < 1:
+        # Lightning takes any value here and fails later, in its loop (0: ZeroDivisionError)
+        raise ValueError(
+            f"`accumulate_grad_batches` must be a positive int (the micro-batches of one optimizer step), got"
+            f" {accumulate!r}: pass `Trainer(accumulate_grad_batches=K)` with K >= 1."
+        )
+    if not module.automatic_optimization:
+        raise ValueError(
+            f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"
+            " calls backward itself and the strategy cannot normalize it. Use `token_mean.fabric."
+            "TokenMeanAccumulator`'s pattern in your own step, or set `self.automatic_optimization = True`."
+        )
+    if _lightning.uses_dataloader_iter(trainer):
+        raise ValueError(
+            f"`{name}` does not support `training_step(self, dataloader_iter)`: the strategy must see every batch"
+            " the step trains on, and Lightning cannot tell which micro-batch window a batch drawn from the"
+            " iterator belongs to. Use `training_step(self, batch, batch_idx)`, or `DDPStrategy` with your own"
+            " normalization."
+        )
+    if handles_gradient_accumulation:
+        raise ValueError(
+            f"`{name}` cannot normalize windows when `handles_gradient_accumulation` is True:"
+            " the strategy would no longer see the accumulation windows."
+        )
+    for optimizer in trainer.strategy.optimizers:
+        if isinstance(getattr(optimizer, "optimizer", optimizer), torch.optim.LBFGS):
+            raise ValueError(
+                f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
+                " which would count the window's items again. Use a first-order optimizer."
+            )
+
+
+def once(result: Any) -> Callable[[], Any]:
+    """The closure the optimizer gets: the window's last micro-batch already ran, and must not run again."""
+    calls = 0
+
+    def replay() -> Any:
+        nonlocal calls
+        calls += 1
+        if calls > 1:
+            raise RuntimeError(
+                "token_mean: the optimizer evaluated the closure more than once in one step (as LBFGS does); that"
+                " would count the window's items again. Use a first-order optimizer."
+            )
+        return result
+
+    return replay
 
 
 # DDPStrategy keeps its own named arguments and hands the rest to DistributedDataParallel when it wraps the model
@@ -244,11 +303,8 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     over all ranks r and micro-batches j of the window, the gradient of the unpartitioned run. Empty micro-batches
     and ranks with no valid items contribute zero (never 0/0) and still take part in every collective (a rank with
     no batch at all is refused); a window with N = 0 on all ranks changes neither the parameters nor the optimizer
-    state.
-
-    The count is whatever the objective averages over: valid target tokens (the default, ``labels != -100``),
-    examples (``count_fn=token_mean.count_examples``) or a sum of sample weights (a float). Choosing it is choosing
-    the objective.
+    state. The count is whatever the objective averages over: valid target tokens (the default, ``labels !=
+    -100``), examples (``count_fn=token_mean.count_examples``) or a sum of sample weights (a float).
 
     Each window costs one all-reduce of a small record, started after the window's last forward and read on the host
     once, after its last backward: no host sync between a window's first forward and its last backward. Problems
@@ -257,16 +313,14 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
     Modes:
         ``"lookahead"`` (default) counts each window's batches before its first backward, with ``count_fn`` on the
-        batches as the loader yields them: the next window's batches are read one per micro-batch (at most K held)
-        and their counts ride in the current window's record. Each micro-batch's loss, as ``training_step`` returns
-        it, is scaled by P·n/N (Lightning's copy divided by K is not back-propagated), so every hook, clipping and
-        ``on_after_backward`` sees the final gradient scale, and ``training_step`` may
-        return ``{"loss": token_mean_part, "aux_loss": term}``: the auxiliary term is averaged over the window's real
-        micro-batches on all ranks instead. ``"deferred"`` reads nothing ahead: it counts each micro-batch after its
-        forward (``count_fn`` or the ``"num_items"`` ``training_step`` returns), back-propagates local loss sums and
-        corrects the scale inside DDP's gradient all-reduce of the window's last backward. Use it when the count is
-        decided inside the model, when the loader must not be read ahead (it refills one buffer), or when K batches
-        do not fit in host memory.
+        batches as the loader yields them (the next window's batches are read one per micro-batch, at most K held),
+        and scales each micro-batch's loss by P·n/N, so every hook, clipping and ``on_after_backward`` sees the
+        final gradient scale; ``training_step`` may return ``{"loss": token_mean_part, "aux_loss": term}``, the
+        auxiliary term averaged over the window's real micro-batches on all ranks. ``"deferred"`` reads nothing
+        ahead: it counts each micro-batch after its forward (``count_fn`` or the ``"num_items"`` ``training_step``
+        returns), back-propagates local loss sums and corrects the scale inside DDP's gradient all-reduce of the
+        window's last backward. Use it when the count is decided inside the model, when the loader must not be read
+        ahead (it refills one buffer), or when K batches do not fit in host memory.
 
     Args:
         count_fn: ``count_fn(batch)`` gives the number of valid items of one micro-batch (an int, a float or a
@@ -276,20 +330,19 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
         loss_reduction: what ``training_step`` returns: ``"mean"`` over the micro-batch's valid items (what
             ``F.cross_entropy(..., ignore_index=-100)`` gives) or their ``"sum"``.
         mode: ``"lookahead"`` or ``"deferred"``.
-        pad_uneven_ranks: when the ranks' training loaders have different lengths (per-rank shards,
-            :class:`~token_mean.ExactDistributedSampler`, streams that end at different batches), a rank that runs
-            out repeats its last batch at weight zero until the longest rank is done (``is_filler_batch`` is True
-            meanwhile), so all ranks run the same windows. With ``False``, different lengths are an error.
+        pad_uneven_ranks: when the ranks' training loaders have different lengths, a rank that runs out repeats its
+            last batch at weight zero until the longest rank is done (``is_filler_batch`` is True meanwhile), so all
+            ranks run the same windows. With ``False``, different lengths are an error.
         \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
             ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
 
     Raises:
-        ValueError: for an unknown ``mode`` or ``loss_reduction``, a ``count_fn`` that is not callable, or a
-            ``ddp_comm_hook`` in deferred mode; at fit start, on every rank, when no ``count_fn`` was given and the
-            module holds a Hugging Face causal LM whose loss shifts the labels (``count_shifted_labels`` or, for
-            labels already shifted, ``count_valid_labels``: an explicit count is always used as given).
-        TypeError: for an argument neither ``DDPStrategy`` nor ``DistributedDataParallel`` takes (a ``Trainer``
-            argument such as ``accumulate_grad_batches`` goes to the ``Trainer``).
+        ValueError: for an unknown ``mode`` or ``loss_reduction``, or a ``ddp_comm_hook`` in deferred mode; at fit
+            start, on every rank, when no ``count_fn`` was given and the module holds a Hugging Face causal LM whose
+            loss shifts the labels.
+        TypeError: for a ``count_fn`` that is not callable, or an argument neither ``DDPStrategy`` nor
+            ``DistributedDataParallel`` takes (a ``Trainer`` argument such as ``accumulate_grad_batches`` goes to
+            the ``Trainer``).
 
     After each window, :attr:`last_window` holds a :class:`~token_mean.WindowStats`.
 
@@ -305,10 +358,9 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     strategy_name = "ddp_token_mean"
 
     @override
-    def _check_kwargs(self, mode: Mode, kwargs: Mapping[str, Any]) -> None:
+    def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
         check_passed_through(type(self).__name__, "DDPStrategy` or `DistributedDataParallel", kwargs, _PASSED_THROUGH)
-        check_parent_values(type(self).__name__, kwargs)
-        if mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
+        if self._settings.mode == "deferred" and kwargs.get("ddp_comm_hook") is not None:
             raise ValueError(
                 "`ddp_comm_hook` cannot be combined with `mode='deferred'`, which installs its own gradient"
                 " all-reduce hook to apply the global denominator. Use `mode='lookahead'` or remove `ddp_comm_hook`."
@@ -318,25 +370,17 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Without this override the subclass would re-register DDP's own twelve names.
-        for name, start_method in (
-            ("ddp_token_mean", "popen"),
-            ("ddp_token_mean_spawn", "spawn"),
-            ("ddp_token_mean_fork", "fork"),
-        ):
+        for name, start_method in (("ddp_token_mean", "popen"), ("ddp_token_mean_spawn", "spawn"),
+                                   ("ddp_token_mean_fork", "fork")):
             if name not in strategy_registry:
-                strategy_registry.register(
-                    name,
-                    cls,
-                    description=f"Token-mean DDP strategy with `start_method` '{start_method}'",
-                    start_method=start_method,
-                )
+                strategy_registry.register(name, cls, start_method=start_method,
+                                           description=f"Token-mean DDP strategy with `start_method` '{start_method}'")
 
     @override
-    def _layout(self) -> Layout:
-        model = self.model
+    def _layout(self, model: Module) -> Layout:
         if not isinstance(model, DistributedDataParallel):
             raise RuntimeError("token_mean: internal error: the model is not wrapped in DDP at fit start.")
-        return _ddp.layout(model, self.root_device)
+        return layout(self, model)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

@@ -43,7 +43,7 @@ from _harness import Batch, Recorder, TokenModule, empty_like, ragged_batches
 from _mesh import MeshModule
 
 import token_mean
-from token_mean import TokenMeanDDPStrategy, TokenMeanModelParallelStrategy, _ddp, _lightning, _torch
+from token_mean import TokenMeanDDPStrategy, TokenMeanModelParallelStrategy, _layout, _lightning, _torch
 
 DATA_SEED, BATCHES, ACCUMULATE = 23, 12, 3  # 4 windows of 3
 STEADY = 2  # windows from this one on: DDP rebuilt its buckets and FSDP2 initialized in the first two
@@ -74,8 +74,8 @@ class Calls:
 
 
 def count_hook_calls() -> None:
-    """Wrap the hook before DDP registers it (``_ddp.InReduction.attach`` reads the module global) and the op."""
-    hook, premul_sum = _ddp.scaled_allreduce_hook, _torch.premul_sum
+    """Wrap the hook before DDP registers it (``_layout._install_hook`` reads the module global) and the op."""
+    hook, premul_sum = _layout.scaled_allreduce_hook, _torch.premul_sum
 
     # No annotations: DDP compares a hook's annotations with the real classes (see token_mean/_comm_hook.py).
     def counted_hook(state, bucket):  # type: ignore[no-untyped-def]
@@ -86,7 +86,7 @@ def count_hook_calls() -> None:
         Calls.premul_sum += 1
         return premul_sum(factor)
 
-    _ddp.scaled_allreduce_hook = counted_hook
+    _layout.scaled_allreduce_hook = counted_hook
     _torch.premul_sum = counted_premul_sum
 
 

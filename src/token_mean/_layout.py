@@ -1,0 +1,274 @@
+"""Which ranks share one denominator, and how deferred mode's factor reaches their gradients.
+
+:func:`shared_world` is the one place that decides which ranks' counts add up to N, for every user of it: both
+Trainer strategies, Fabric's accumulator, both monitors' measurements and the objective audit. :func:`layout` adds
+what the modes need of the parallel layout (DDP, FSDP2 and tensor parallelism, one device), under the Trainer and
+Fabric alike:
+
+- DDP: deferred mode's factor rides in DDP's own bucket all-reduce (a communication hook, ``_comm_hook``); a
+  parameter unfrozen after DDP wrapped the model is never reduced, so its check travels in each window's record; a
+  rank that finds the ranks out of step while others are at a window's end joins their backward with zeros.
+- FSDP2 and unwrapped models: the reduction averaged the gradients before any factor of ours, so the local shards
+  are multiplied by P·D/N once after the window's last backward.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.nn import Module
+from torch.nn.parallel import DistributedDataParallel
+from torch.utils._pytree import tree_flatten
+
+from token_mean import _torch
+from token_mean._comm_hook import scaled_allreduce_hook
+from token_mean._problems import Problem
+
+WindowCheck = Callable[[], list[tuple[Problem, str]]]
+"""A host-side check run as each window closes: the problems it found, each with this rank's detail."""
+
+
+@dataclass(frozen=True)
+class World:
+    """The ranks that share one denominator, and where their collective tensors live.
+
+    ``size`` and ``rank`` count the ranks that hold different batches (the data-parallel ones); ``group`` reduces over
+    them (None: the default group). ``replica_group`` is set where other ranks train on this rank's very batches (the
+    tensor-parallel group of a device mesh): they must count exactly the same items. ``gradients_averaged``: the
+    gradients are averaged over the ranks with no hook of the package in the reduction (FSDP2's reduce-scatter), so a
+    provisional scale must be the same on every rank.
+    """
+
+    size: int
+    rank: int
+    device: torch.device
+    group: Any | None = None
+    distributed: bool = False
+    replica_group: Any | None = None
+    gradients_averaged: bool = False
+
+    @staticmethod
+    def single(device: torch.device | None = None) -> World:
+        """One process, no collective."""
+        return World(size=1, rank=0, device=device or torch.device("cpu"))
+
+
+def shared_world(strategy: Any, model: Module | None) -> World:
+    """The ranks that share the denominator of ``model`` trained under ``strategy`` (a Trainer or a Fabric strategy).
+
+    One device trains alone, whatever default process group its process may have (independent processes launched by
+    ``torchrun`` for other reasons: their sum would be no run's N); a device mesh's data-parallel ranks (its
+    tensor-parallel ones train on the same batches); a DDP-wrapped model's ranks are those of DDP's own process group
+    (``DDPStrategy(process_group=...)``: the counts add up over the ranks whose gradients add up); any other model
+    (FSDP1, DeepSpeed) those of the default group.
+    """
+    from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as FabricModelParallel
+    from lightning.fabric.strategies.single_device import SingleDeviceStrategy as FabricSingleDevice
+    from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
+
+    device = strategy.root_device
+    if isinstance(strategy, (SingleDeviceStrategy, FabricSingleDevice)):
+        return World.single(device)
+    if isinstance(strategy, (ModelParallelStrategy, FabricModelParallel)):
+        return _mesh_world(strategy.device_mesh, device)
+    if not (dist.is_available() and dist.is_initialized()):
+        return World.single(device)
+    group = model.process_group if isinstance(model, DistributedDataParallel) else None
+    size = dist.get_world_size(group)
+    return World(size, dist.get_rank(group), device, group, distributed=True) if size > 1 else World.single(device)
+
+
+def _mesh_world(mesh: Any, device: torch.device) -> World:
+    data_parallel, tensor_parallel = mesh["data_parallel"], mesh["tensor_parallel"]
+    distributed = dist.is_available() and dist.is_initialized()
+    return World(
+        size=data_parallel.size(),
+        rank=data_parallel.get_local_rank(),
+        device=device,
+        group=data_parallel.get_group() if distributed else None,
+        distributed=distributed and data_parallel.size() > 1,
+        replica_group=tensor_parallel.get_group() if distributed and tensor_parallel.size() > 1 else None,
+        gradients_averaged=True,
+    )
+
+
+def _nothing(*args: Any) -> None:
+    return None
+
+
+@dataclass(frozen=True)
+class Layout:
+    """What a parallel layout gives the modes, under any front end.
+
+    ``world``: the ranks that share N. ``install``: makes deferred mode's factor reach the gradient reduction (given
+    the mode; DDP registers its communication hook). ``after_backward``: what deferred mode does with its factor D/N
+    (a callable that waits for it on the device) after the window's last backward. ``checks``: host-side checks run
+    as each window closes. ``join_backward``: what this rank runs when a blocking collective finds others at a
+    window's end (None: nothing to join). ``sync_flags``: the gradient-sync flags the next backward will use.
+    """
+
+    world: World
+    install: Callable[[Any], None] = _nothing
+    after_backward: Callable[[Callable[[], Tensor]], None] = _nothing
+    checks: Sequence[WindowCheck] = ()
+    join_backward: Callable[[], None] | None = None
+    sync_flags: Callable[[], Sequence[bool]] = tuple
+
+
+def layout(strategy: Any, model: Module) -> Layout:
+    """The modes' view of ``model`` (what the strategy made of it: DDP, an FSDP2-sharded module, a plain module)."""
+    world = shared_world(strategy, model)
+    if isinstance(model, DistributedDataParallel):
+        return Layout(world, lambda mode: _install_hook(model, mode), checks=[_unreduced_parameters(model)],
+                      join_backward=lambda: _torch.shadow_ddp_backward(model),
+                      sync_flags=lambda: (model.require_forward_param_sync,))  # what the forward prepared
+    return after_reduction(model, world)
+
+
+def after_reduction(model: Module, world: World) -> Layout:
+    """A model whose reduction (FSDP2's, or none on one device) averages over the ranks with no hook of ours."""
+    groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
+    return Layout(world, after_backward=lambda factor: _multiply_shards(model, factor, world.size),
+                  sync_flags=lambda: _torch.fsdp_reduces_gradients(groups))  # read by FSDP2 as the backward runs
+
+
+def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: int) -> None:
+    """The reduction averaged over P with no hook of the package: the local shards, Σ∇(loss sums)/(P·D), times
+    P·D/N in one fused kernel over this rank's share of the gradients."""
+    from torch.distributed.tensor import DTensor
+
+    shards = [grad.to_local() if isinstance(grad, DTensor) else grad
+              for grad in (parameter.grad for parameter in model.parameters()) if grad is not None]
+    if shards:
+        _torch.multiply_(shards, factor() * world_size)
+
+
+_HOOK_STATE = "_token_mean_hook_state"
+
+
+class _HookState:
+    """The state of deferred's communication hook: the mode training the model now, held weakly. The reducer (C++)
+    holds this state, and the mode leads back to the DDP wrapper: a strong reference would make a cycle through C++
+    that ``gc`` never frees, keeping DDP and its process group alive into interpreter finalization (``_exit``)."""
+
+    def __init__(self, mode: Any, group: Any) -> None:
+        self.follow(mode)
+        self.group = group  # DDP's own process group, which DDP holds as long (no cycle)
+        self.nccl = dist.get_backend(group) == "nccl"  # asked once, not per bucket
+
+    def follow(self, mode: Any) -> None:
+        self._mode = weakref.ref(mode)
+
+    def __call__(self) -> Any:
+        return self._mode()
+
+
+def _install_hook(model: DistributedDataParallel, mode: Any) -> None:
+    """Register deferred's hook (on every device type: Lightning registers ``ddp_comm_hook`` on CUDA only). DDP takes
+    one hook per model, for good: a later deferred mode on the same model takes over the installed hook's state."""
+    state = getattr(model, _HOOK_STATE, None)
+    if isinstance(state, _HookState):
+        state.follow(mode)
+        return
+    state = _HookState(mode, model.process_group)
+    try:
+        model.register_comm_hook(state, scaled_allreduce_hook)
+    except RuntimeError as error:
+        raise ValueError(
+            "`mode='deferred'` folds its factor into DDP's gradient all-reduce with a communication hook, but the"
+            f" model already has one ({error}): remove your own `register_comm_hook`, or use `mode='lookahead'`."
+        ) from error
+    object.__setattr__(model, _HOOK_STATE, state)
+
+
+def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
+    """DDP reduces the gradients of the parameters that required one when it wrapped the model; one unfrozen later
+    (``BaseFinetuning``) trains on each rank's own gradient and the replicas drift apart: a host read of
+    ``requires_grad`` per frozen parameter and window."""
+    ignored = _torch.ddp_ignored(model)
+    frozen = [(name, parameter) for name, parameter in model.module.named_parameters()
+              if not parameter.requires_grad and name not in ignored]
+
+    def check() -> list[tuple[Problem, str]]:
+        unfrozen = [name for name, parameter in frozen if parameter.requires_grad]
+        if not unfrozen:
+            return []
+        more = f" and {len(unfrozen) - 1} more" if len(unfrozen) > 1 else ""
+        return [(Problem.UNREDUCED_PARAMETER, f"`{unfrozen[0]}`{more} required no gradient when DDP wrapped the"
+                 " model and requires one now")]
+
+    return check
+
+
+def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
+    """Raise unless every FSDP2 group of ``model`` averages its gradients over the ``data_parallel`` ranks; returns
+    whether any module is sharded at all."""
+    found = list(_torch.fsdp_reductions(model))
+    for module, ranks, divide_factor in found:
+        where = f"`{module}`" if module else "the root module"
+        if divide_factor is not None:
+            raise ValueError(
+                f"`{owner}` applies the global token count itself, relying on FSDP2's default mean over the"
+                f" {data_parallel} data-parallel ranks, but {where} has"
+                f" `set_gradient_divide_factor({divide_factor!r})`. Remove that call."
+            )
+        if ranks != data_parallel:
+            raise ValueError(
+                f"`fully_shard` on {where} reduces gradients over {ranks} ranks, but the data-parallel dimension of"
+                f" the device mesh has {data_parallel}: pass the mesh's 'data_parallel' dimension as `mesh=` to"
+                " `fully_shard`."
+            )
+    return bool(found)
+
+
+def stand_in_loss(module: Module) -> Tensor:
+    """A zero touching every trainable parameter, so that DDP's reducer fires on a rank whose step gave no loss."""
+    return torch.stack([p.sum() * 0.0 for p in module.parameters() if p.requires_grad]).sum()
+
+
+class Outputs:
+    """The outputs of ``model``'s outermost sharded modules during one step: FSDP2's backward hooks hang on them, so a
+    zero made of them stands in for a missing loss and still runs every collective of the backward."""
+
+    def __init__(self, model: Module) -> None:
+        self._kept: list[Any] = []
+        self._active = False
+        outermost: list[Module] = []
+        for module in model.modules():
+            if _torch.is_sharded(module, recurse=False) and not any(module in set(o.modules()) for o in outermost):
+                outermost.append(module)
+        self._handles = [module.register_forward_hook(self._keep) for module in outermost]
+
+    def _keep(self, module: Module, args: Any, output: Any) -> None:
+        if self._active:
+            self._kept.append(output)
+
+    @contextmanager
+    def kept(self) -> Iterator[None]:
+        """Keep the outputs of the forwards that run in the block (and forget the previous block's)."""
+        self._kept, self._active = [], True
+        try:
+            yield
+        finally:
+            self._active = False
+
+    def remove(self) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def stand_in_loss(self) -> Tensor | None:
+        """A zero whose backward runs every sharded module's backward of the step (None: no output to use)."""
+        leaves = [leaf for output in self._kept for leaf in tree_flatten(output)[0]]
+        tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
+        return torch.stack([tensor.sum() * 0.0 for tensor in tensors]).sum() if tensors else None
+
+
+__all__ = ["Layout", "Outputs", "WindowCheck", "World", "check_reduction", "layout", "shared_world", "stand_in_loss"]

@@ -1,0 +1,375 @@
+"""The two ways of bringing a window's global count N to the gradient, and the monitor's measurement of a window.
+
+A mode lives for a fit and keeps only what spans windows (deferred's provisional denominator, the steps skipped); it
+opens each window, and the window does the rest (``_window``).
+
+**Lookahead** counts each window's batches before its first forward. While window w trains, the pass reads one
+batch of window w + 1 per micro-batch (a rolling read-ahead: at most K batches held), so window w's one all-reduce
+carries w + 1's share of N with w's loss sum and problems, read on the host once, after w's last backward. Only a
+pass's first window costs a collective of its own. The loss scale P·n/N is then a host float: one multiplication per
+micro-batch. A batch that ``training_step`` receives changed (moved to the device, or by a hook) is counted again
+and checked against the count read ahead, so a hook that changes the labels is an error, not a wrong mean.
+
+**Deferred** counts each micro-batch after its forward and back-propagates its loss sum over D, a stand-in for N/P
+held on the device (the previous window's N/P, or the run's first count times K). The window's record starts its
+all-reduce after the last forward; the final factor D/N reaches the gradient on the device, with no host read: inside
+DDP's bucket all-reduce of the last backward (``_comm_hook``), or by one multiplication of the local gradient shards
+after it, where the reduction averaged them first (FSDP2, ``_layout``).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, NamedTuple
+
+import torch
+from lightning.fabric.utilities import rank_zero_warn
+from torch import Tensor
+
+from token_mean._layout import Layout
+from token_mean._problems import Problem
+from token_mean._reader import Entry
+from token_mean._record import Channel, Kind, Reduced, Slot, Values
+from token_mean._settings import Settings
+from token_mean._window import Ended, MicroBatch, StepOutput, Window, check_global_count, mismatch, scale_of
+from token_mean.counts import first_labels, read_count
+from token_mean.results import WindowStats
+
+
+class Counts(NamedTuple):
+    """A window's counts, known before its first forward: this rank's per position, and their sums over ranks."""
+
+    stop: int
+    local: list[float]  # this rank's count at each position of the window (0 for a filler)
+    global_count: float  # N
+    real: float  # the window's real micro-batches over all ranks (what 'aux_loss' is averaged over)
+
+
+class Mode:
+    """What spans a fit's windows, whatever the mode: the settings, the channel, the steps skipped."""
+
+    name = "lookahead"
+    reads_ahead = False  # the pass reads the next window's batches while this one trains
+
+    def __init__(self, channel: Channel, settings: Settings, layout: Layout) -> None:
+        self.channel = channel
+        self.settings = settings
+        self.checks = layout.checks
+        self.skipped_steps = 0
+        self._saved_accumulate: int | None = None  # K in a checkpoint being resumed, until the first window opens
+
+    @property
+    def world_size(self) -> int:
+        return self.channel.world.size
+
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
+             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+        """The window ``[start, stop)`` with K = ``accumulate``; lookahead: its ``counts`` if the previous window
+        announced them, else its ``entries`` (read ahead) to count now."""
+        raise NotImplementedError
+
+    def count_skipped(self, stats: WindowStats) -> None:
+        if stats.skipped:
+            self.skipped_steps += 1
+            if self.skipped_steps == 1:
+                rank_zero_warn(
+                    "token_mean: an accumulation window had no valid items on any rank (N = 0); its update was"
+                    " skipped, leaving parameters and optimizer state unchanged (under the Trainer, `global_step` and"
+                    " step-wise LR schedulers still advance). `skipped_steps` counts such windows."
+                )
+
+    def check_resumed_accumulate(self, start: int, accumulate: int) -> None:
+        """The first window after a resume: a mid-epoch one whose K differs from the checkpoint's warns."""
+        saved, self._saved_accumulate = self._saved_accumulate, None
+        if saved is not None and start > 0 and saved != accumulate:
+            rank_zero_warn(
+                f"token_mean: this run resumed in the middle of an epoch (at batch {start}) with"
+                f" `accumulate_grad_batches` = {accumulate}, but the checkpoint was written with {saved}. Lightning"
+                " skips `on_train_epoch_start` on a mid-epoch restart, so a `GradientAccumulationScheduler` (or a"
+                " callback that sets K there) has not set this epoch's K: the rest of the epoch trains windows of"
+                f" {accumulate} micro-batches (plain Lightning does the same), exact for those windows but not the"
+                " uninterrupted run. Resume from a checkpoint written at the end of an epoch to keep the schedule."
+            )
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the mode (identical on every rank)."""
+        return {"skipped_steps": self.skipped_steps}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        self.skipped_steps = int(state.get("skipped_steps", 0))
+        saved = state.get("accumulate")
+        self._saved_accumulate = None if saved is None else int(saved)
+
+
+def make_mode(settings: Settings, layout: Layout, rank_counts: bool) -> Mode:
+    """The mode ``settings`` name, over ``layout``; ``rank_counts`` adds every rank's count to each record."""
+    channel = Channel(layout.world, rank_counts, layout.join_backward)
+    return (Lookahead if settings.mode == "lookahead" else Deferred)(channel, settings, layout)
+
+
+class Lookahead(Mode):
+    name = "lookahead"
+    reads_ahead = True
+
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
+             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+        if counts is not None:
+            return _LookaheadWindow(self, start, stop, accumulate, step, counts, unchanged)
+        # the pass's first window (or the first after K changed): a collective of its own, before its first forward
+        stop = start + len(entries)  # fewer where a loader that yields nothing ends
+        window = _LookaheadWindow(self, start, stop, accumulate, step, Counts(stop, [], 0.0, 0.0), unchanged)
+        local, host = self.announce(entries, window)
+        reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(window.flags)))
+        reduced.check(window.where, window.detail)
+        window.known(self.accept(reduced, stop, local, window, lambda: window.where))
+        return window
+
+    def announce(self, entries: Sequence[Entry], window: Window) -> tuple[list[float], dict[Slot, float]]:
+        """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``."""
+        local, real = [], 0.0
+        for entry in entries:
+            real += not entry.filler
+            if entry.aliased:
+                window.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch"
+                            " held before it")
+            count, problem, detail = (0.0, None, "") if entry.filler else read_count(self.settings.count_fn,
+                                                                                     entry.batch)
+            if problem is not None:
+                window.flag(problem, f"the batch at position {entry.position} (read ahead): {detail}")
+            local.append(count)
+        total = sum(local)
+        if not math.isfinite(total):  # finite counts whose sum overflows float64
+            window.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
+            total = 0.0
+        return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
+
+    def accept(self, reduced: Reduced, stop: int, local: list[float], window: Window,
+               where: Callable[[], str]) -> Counts:
+        """The announced counts of the window ``where`` names, which ends at ``stop``, raising an N that cannot
+        normalize before its use (``window``: the one whose record brought them)."""
+        global_count = reduced[Slot.NEXT_COUNT]
+        check_global_count(global_count, self.world_size * window.accumulate, where, window.detail,
+                           self.channel.world.rank)
+        return Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
+
+
+class _LookaheadWindow(Window):
+    mode = "lookahead"
+
+    def __init__(self, lookahead: Lookahead, start: int, stop: int, accumulate: int, step: str, counts: Counts,
+                 unchanged: Callable[[Any], bool]) -> None:
+        super().__init__(lookahead.channel, start, stop, accumulate, step, lookahead.settings.loss_reduction,
+                         lookahead.checks, judge_counts=False)  # judged on the host as they were read ahead
+        self._lookahead = lookahead
+        self._unchanged = unchanged
+        self._next_local: list[float] = []
+        self.known(counts)
+
+    def known(self, counts: Counts) -> None:
+        self.counts = counts
+        # the reduction averages over P: an item's share of 1/N
+        self._share = scale_of(self._lookahead.world_size, counts.global_count)
+
+    def _count_of(self, entry: Entry) -> float:
+        return 0.0 if entry.filler else self.counts.local[entry.position - self.start]
+
+    def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
+        if micro.filler:
+            self.add(0.0, None, filler=True)
+        else:
+            settings = self._lookahead.settings
+            if self._unchanged(batch):  # the very tensors counted as read: only 'num_items' to check
+                if output.num_items is not None:
+                    reported = self._on_device(output.num_items, "'num_items'")
+                    if reported is not None:
+                        self.check_equal(mismatch(settings.count_fn_given), reported, micro.count, first_labels(batch))
+            else:  # moved to the device or changed by a hook: counted again as received, and the two must agree
+                received = self.count_received(batch, output, settings.count_fn, settings.count_fn_given, False)
+                self.check_equal(Problem.COUNT_CHANGED, micro.count, received)
+            if output.loss is None:
+                self.flag(Problem.NO_LOSS)
+            self.add(micro.count, output.loss, filler=False, aux=output.aux_loss)
+        if micro.last:
+            self._next_local, host = self._lookahead.announce(self._following, self)
+            self.close({**host, **self._pass_end_slots()})
+        return self._scaled(micro, output)
+
+    def _scaled(self, micro: MicroBatch, output: StepOutput) -> Tensor:
+        loss = output.backprop
+        if micro.count > 0:
+            scaled = loss * ((micro.count if self.mean else 1.0) * self._share)
+        else:  # the mean of an empty micro-batch is 0/0 = NaN; its backward must still run for the reduction
+            scaled = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+        if output.aux_loss is not None:
+            real = self.counts.real
+            weight = 0.0 if micro.filler or real == 0 else self._lookahead.world_size / real
+            scaled = scaled + output.aux_loss * weight
+        return scaled
+
+    def end(self) -> Ended:
+        """The one host read, which also brings the next window's counts: every problem raised before the update."""
+        reduced, local = self.read()
+        stop = self.counts.stop + len(self._next_local)
+        next_counts = self._lookahead.accept(reduced, stop, self._next_local, self, lambda: self.where_next(stop))
+        real = self.counts.real
+        aux = reduced[Slot.AUX_SUM] / real if self._aux and real else None
+        stats = self.stats(reduced, local, self.counts.global_count, aux)
+        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
+
+    def where_next(self, stop: int) -> str:
+        return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
+
+
+class Deferred(Mode):
+    name = "deferred"
+
+    def __init__(self, channel: Channel, settings: Settings, layout: Layout) -> None:
+        super().__init__(channel, settings, layout)
+        self._after_backward = layout.after_backward
+        # D on the device: the previous window's N/P, kept across windows and checkpoints; the run's first
+        # micro-batch sizes it
+        self._provisional: Tensor | None = None
+        self.reducing: _DeferredWindow | None = None  # the window whose last backward reduces the gradient
+        layout.install(self)
+
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
+             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+        return _DeferredWindow(self, start, stop, accumulate, step)
+
+    def provisional(self, first: Tensor, accumulate: int) -> Tensor:
+        """D, sized by the run's first micro-batch (its count ``first`` times K) when there is none yet.
+
+        Where gradients are averaged before any per-rank factor (``World.gradients_averaged``), every rank must
+        divide by the same D: the estimates are averaged over the ranks, one collective once per run (and not after
+        a resume, which restores D), read on the device only. Under DDP the hook applies each rank's own D/N.
+        """
+        if self._provisional is None:
+            world, estimate = self.channel.world, first * accumulate
+            if world.gradients_averaged and world.distributed:
+                exchange = self.channel.start(Kind.PROVISIONAL, Values(device=[(Slot.COUNT, estimate)]))
+                estimate = exchange.wait()[Slot.COUNT] / world.size
+            self._provisional = torch.clamp(estimate.to(torch.float64), min=1.0)
+        return self._provisional
+
+    def follow(self, global_count: float) -> None:
+        """A window with ``global_count`` items ended: the next windows' backward passes use its N/P as their D."""
+        if global_count > 0:
+            self._provisional = torch.full((), global_count / self.world_size, dtype=torch.float64,
+                                           device=self.channel.world.device)
+
+    def gradient_factor(self) -> Tensor | float:
+        """D/N for the reduction of the window's last backward; waits for the exchange on the device."""
+        window = self.reducing
+        return 1.0 / self.world_size if window is None else window.gradient_factor()  # outside: the plain mean
+
+    def gradient_final(self, window: _DeferredWindow) -> None:
+        """After the window's last backward: its factor into the gradient (where the reduction did not apply it)."""
+        self._after_backward(window.gradient_factor)
+        self.reducing = None
+
+    # D only changes rounding, but restoring it keeps a resumed run bitwise identical (a host read per checkpoint)
+    def state_dict(self) -> dict[str, Any]:
+        provisional = None if self._provisional is None else float(self._provisional)
+        return {**super().state_dict(), "provisional": provisional}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        super().load_state_dict(state)
+        value = state.get("provisional")
+        if value is not None:
+            self._provisional = torch.full((), float(value), dtype=torch.float64, device=self.channel.world.device)
+
+
+class _DeferredWindow(Window):
+    mode = "deferred"
+
+    def __init__(self, deferred: Deferred, start: int, stop: int, accumulate: int, step: str) -> None:
+        super().__init__(deferred.channel, start, stop, accumulate, step, deferred.settings.loss_reduction,
+                         deferred.checks)
+        self._deferred = deferred
+        self._provisional = deferred.channel.zero()  # D from the first forward on (the fit's zero until then)
+        self._factor: Tensor | None = None  # D/N, computed once, during the last backward
+
+    def _count_of(self, entry: Entry) -> float:
+        if entry.aliased:
+            self.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch in flight")
+        return 0.0
+
+    def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
+        if output.aux_loss is not None:
+            raise ValueError(
+                "token_mean: an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize: its"
+                " token scale is only known after the last backward, when both terms already share one gradient"
+                " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
+            )
+        settings = self._deferred.settings
+        if micro.filler:
+            count = self.channel.zero()
+        else:
+            count = self.count_received(batch, output, settings.count_fn, settings.count_fn_given, True)
+            if output.loss is None:
+                self.flag(Problem.NO_LOSS)
+        self.add(count, None if micro.filler else output.loss, micro.filler)
+        if micro.position == self.start:
+            self._provisional = self._deferred.provisional(count, self.accumulate)
+        if micro.last:
+            self.close(self._pass_end_slots())
+            self._deferred.reducing = self
+        # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
+        # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
+        # (the forward value stays NaN, as under plain DDP).
+        items = count if self.mean else (count > 0).to(count.dtype)
+        return output.backprop * (items / self._provisional)
+
+    def gradient_factor(self) -> Tensor:
+        """D/N on the device, waiting for the exchange there (no host read)."""
+        if self._factor is None:
+            # D >= 1, so D/N is +inf exactly when N = 0: that window changes nothing
+            self._factor = torch.nan_to_num(self._provisional / self.global_count(), posinf=0.0)
+        return self._factor
+
+    def end(self) -> Ended:
+        """The final factor into the gradient, then the window's one host read."""
+        self._deferred.gradient_final(self)
+        reduced, local = self.read()
+        global_count = reduced[Slot.COUNT]
+        check_global_count(global_count, 1.0, lambda: self.where, self.detail, self.channel.world.rank)
+        self._deferred.follow(global_count)
+        return Ended(self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0)
+
+
+class Measured(Window):
+    """A window under a strategy that does not normalize it (``DenominatorMonitor`` under plain DDP, FSDP2, one
+    device): each micro-batch counted as received, its loss undone from Lightning's division by K, plain DDP's own
+    loss in the ``NAIVE`` slot; a NaN loss is the strategy's to judge, not the measurement's."""
+
+    def __init__(self, channel: Channel, start: int, step: int, count_fn: Callable[[Any], Any],
+                 loss_reduction: str) -> None:
+        super().__init__(channel, start, start, 1, f"optimizer step {step} (measured by DenominatorMonitor",
+                         loss_reduction, judge_losses=False)
+        self._count_fn = count_fn
+
+    def add_batch(self, batch: Any, outputs: Any, accumulate: int) -> None:
+        """One micro-batch; ``accumulate`` is what the loop divided its loss by."""
+        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+        self.stop += 1
+        if not isinstance(loss, Tensor):
+            self.add(self.channel.zero(), None, filler=True)  # a skipped micro-batch: no gradient, so no items
+            return
+        try:
+            count = self._on_device(self._count_fn(batch), "`count_fn`")
+        except Exception as error:  # every rank must reach the window's collective to learn of it
+            count = None
+            self.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
+        naive = loss.detach().reshape(()).to(device=self.channel.world.device, dtype=torch.float64)
+        self.add_to(Slot.NAIVE, naive)
+        self.add(self.channel.zero() if count is None else count, naive * accumulate, filler=False)
+
+    def finish(self) -> tuple[WindowStats, float]:
+        """The window's stats (the same error on every rank for a bad count) and plain DDP's own loss."""
+        self.close()
+        reduced, local = self.read()
+        return self.stats(reduced, local, reduced[Slot.COUNT]), reduced[Slot.NAIVE] / self.channel.world.size
+
+
+__all__ = ["Counts", "Deferred", "Lookahead", "Measured", "Mode", "make_mode"]

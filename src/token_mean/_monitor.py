@@ -1,0 +1,262 @@
+"""What both monitors share: one set of settings, checked once, and what they do with each window.
+
+``DenominatorMonitor`` (the Trainer) and ``FabricMonitor`` (a Fabric loop) are :class:`Monitoring` with their front
+end's hooks around it. They take the same arguments with the same defaults; each window they are told of becomes its
+metrics, a trace row (rank zero writes it, every rank compares it with a reference, so with ``on_divergence="raise"``
+all ranks raise together), and, at an audited window, the objective audit (``_audit``). The trace file is flushed
+per row and closes itself with the monitor (``teardown`` closes it under the Trainer).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
+from torch import Tensor
+
+from token_mean._audit import Auditor, OnAuditFailure
+from token_mean._settings import CountFn, LossReduction, checked_count_fn, checked_loss_reduction, positive_int
+from token_mean._trace import TraceComparison, TraceWriter, trace_format
+from token_mean.errors import DivergenceError
+from token_mean.results import Audit, Divergence, WindowStats
+
+OnDivergence = Literal["warn", "raise", "log"]
+TraceValue = float | int | None
+
+
+@dataclass(frozen=True)
+class MonitorSettings:
+    """A monitor's settings, checked once (:meth:`checked`)."""
+
+    count_fn: CountFn | None
+    loss_reduction: LossReduction | None
+    logging_interval: int | None
+    prefix: str
+    record: str | os.PathLike[str] | None
+    reference: str | os.PathLike[str] | None
+    rtol: float
+    atol: float
+    on_divergence: OnDivergence
+    audit_loss: Callable[[Any, Any], Any] | None
+
+    @staticmethod
+    def checked(count_fn: Any, loss_reduction: Any, logging_interval: Any, prefix: Any, record: Any, reference: Any,
+                rtol: Any, atol: Any, on_divergence: Any, audit_loss: Any) -> MonitorSettings:
+        """The settings, or an error naming the argument, its value and the fix."""
+        positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
+        if not isinstance(prefix, str):
+            raise TypeError(f"`prefix` must be a str such as 'denominator', got {type(prefix).__name__}: {prefix!r}.")
+        for name, tolerance in (("rtol", rtol), ("atol", atol)):
+            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+                raise ValueError(f"`{name}` must be a number >= 0, got {tolerance!r}.")
+        if on_divergence not in ("warn", "raise", "log"):
+            raise ValueError(f"`on_divergence` must be 'warn', 'raise' or 'log', got {on_divergence!r}.")
+        if record is not None:
+            trace_format(record, "record")
+        if reference is not None:
+            trace_format(reference, "reference")
+        if record is not None and reference is not None and Path(record).resolve() == Path(reference).resolve():
+            raise ValueError(
+                f"`record` and `reference` are the same file, {os.fspath(record)!r}: recording would overwrite the"
+                " reference before it is read. Record to another path."
+            )
+        if audit_loss is not None and not callable(audit_loss):
+            raise TypeError(f"`audit_loss` must be a callable fn(model, batch) -> loss, got {audit_loss!r}.")
+        prefix = f"{prefix}/" if prefix and not prefix.endswith("/") else prefix
+        return MonitorSettings(checked_count_fn(count_fn), checked_loss_reduction(loss_reduction), logging_interval,
+                               prefix, record, reference, float(rtol), float(atol), on_divergence, audit_loss)
+
+
+class Monitoring:
+    """The part of a monitor that knows neither Lightning's loop nor Fabric's (see the module docstring).
+
+    Args:
+        count_fn: the count it measures and audits with where no token-mean front end gives one.
+        loss_reduction: ``"mean"`` or ``"sum"``, likewise (default: the front end's, else ``"mean"``).
+        logging_interval: log every this many optimizer steps; None follows the front end (Lightning's
+            ``log_every_n_steps``; every window in Fabric).
+        prefix: the metric names' prefix, ``"{prefix}/global_count"`` and so on.
+        record: write the trace of this run to this ``.csv`` or ``.jsonl`` file (overwritten when the run starts).
+        reference: compare every step of this run with this trace.
+        rtol, atol: the comparison's tolerances (N within a relative 1e-9).
+        on_divergence: at the first divergent step, ``"warn"``, ``"raise"`` (:class:`~token_mean.DivergenceError`
+            on every rank) or ``"log"`` (``{prefix}/reference_divergence`` at every step).
+        audit_every, on_audit_failure, audit_tolerance: the objective audit (``docs/audit.md``) of the first window
+            and every ``audit_every``-th after it.
+        audit_loss: ``fn(model, batch) -> loss``, a micro-batch's loss exactly as the loop computes it, on the
+            unwrapped module (what the audit replays; the Trainer's monitor replays ``training_step`` without it).
+    """
+
+    def __init__(
+        self,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction | None = None,
+        logging_interval: int | None = None,
+        prefix: str = "denominator",
+        record: str | os.PathLike[str] | None = None,
+        reference: str | os.PathLike[str] | None = None,
+        rtol: float = 1e-4,
+        atol: float = 1e-6,
+        on_divergence: OnDivergence = "warn",
+        audit_every: int | None = None,
+        on_audit_failure: OnAuditFailure = "warn",
+        audit_tolerance: float | None = None,
+        audit_loss: Callable[[Any, Any], Any] | None = None,
+    ) -> None:
+        self._settings = MonitorSettings.checked(count_fn, loss_reduction, logging_interval, prefix, record, reference,
+                                                 rtol, atol, on_divergence, audit_loss)
+        self._auditor = Auditor(audit_every, on_audit_failure, audit_tolerance, type(self).__name__)
+        self.audits: list[Audit] = self._auditor.audits  # every audited window of the last run, in order
+        self.logging_interval = logging_interval
+        self.last_window: WindowStats | None = None
+        """The window of the last optimizer step, as logged."""
+        self.first_divergence: Divergence | None = None
+        """The first divergent step of the last run (set on every rank), None if none or no reference."""
+        self._reference: TraceComparison | None = None
+        self._writer: TraceWriter | None = None
+        self._warned_past_reference = False
+        self._constructed()
+
+    def _constructed(self) -> None:
+        """What a front end's monitor checks and sets up once the shared settings are checked."""
+
+    def _read_reference(self) -> None:
+        settings = self._settings
+        if settings.reference is not None:
+            self._reference = TraceComparison(settings.reference, settings.rtol, settings.atol, type(self).__name__)
+
+    @property
+    def fingerprints(self) -> bool:
+        """Whether the steps' gradient and parameter norms are needed (a trace is written or compared), on every rank:
+        the norm of a sharded model is a collective."""
+        return self._settings.record is not None or self._settings.reference is not None
+
+    def _start_run(self, writes: bool, first_step: int, total_steps: float) -> None:
+        """A run starts at ``first_step`` and takes ``total_steps`` (``inf``: unknown); ``writes``: rank zero."""
+        self.first_divergence, self.last_window = None, None
+        self._warned_past_reference = False
+        if self._reference is not None:
+            self._reference.check_length(first_step, total_steps)
+        if self._settings.record is not None and writes:
+            self._writer = TraceWriter(self._settings.record)
+
+    def _window(self, step: int, stats: WindowStats, elapsed: float, norms: tuple[Tensor | None, Tensor | None],
+                naive_loss: float | None = None) -> tuple[dict[str, float], bool]:
+        """A window ended at ``step``: its metrics (prefixed) and whether they must be logged now (a divergence or an
+        audit). ``norms`` are the step's gradient norm (before clipping) and parameter norm (after the update), on the
+        device: read here in one device-to-host copy."""
+        self.last_window = stats
+        divergence = None
+        if self.fingerprints:
+            row = _trace_row(step, stats, norms)
+            if self._writer is not None:
+                self._writer.write(row)
+            divergence = self._compare(step, row)
+        metrics = window_metrics(stats, elapsed, naive_loss)
+        log_now = stats.audit_error is not None
+        if self._reference is not None and self._settings.on_divergence == "log":
+            metrics["reference_divergence"] = float(divergence is not None)
+            log_now = log_now or divergence is not None
+        if divergence is not None and self.first_divergence is None:
+            self._diverged(divergence)
+        return {f"{self._settings.prefix}{name}": value for name, value in metrics.items()}, log_now
+
+    def _compare(self, step: int, row: dict[str, TraceValue]) -> Divergence | None:
+        if self._reference is None:
+            return None
+        missing = self._reference.missing(step)
+        if missing is None:
+            return self._reference.compare(step, row)
+        if self._settings.on_divergence == "raise":
+            raise DivergenceError(missing)
+        if not self._warned_past_reference:
+            self._warned_past_reference = True
+            rank_zero_warn(f"{missing} Such steps are not compared.")
+        return None
+
+    def _diverged(self, divergence: Divergence) -> None:
+        self.first_divergence = divergence
+        if self._settings.on_divergence == "raise":
+            raise DivergenceError(divergence.message)
+        (rank_zero_warn if self._settings.on_divergence == "warn" else rank_zero_info)(divergence.message)
+
+    def close(self) -> None:
+        """Close the trace file (the writer also closes it when the monitor goes)."""
+        if self._writer is not None:
+            self._writer.close()
+            self._writer = None
+
+
+def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor | None]) -> dict[str, TraceValue]:
+    present = [norm for norm in norms if norm is not None]
+    host = iter(torch.stack(present).tolist() if present else [])  # one device-to-host copy for both fingerprints
+    grad_norm, param_norm = (None if norm is None else next(host) for norm in norms)
+    return {
+        "step": step,
+        "global_count": stats.global_count,
+        "loss": stats.loss,
+        "grad_norm": grad_norm,
+        "param_norm": param_norm,
+        "world_size": stats.world_size,
+        "window_length": stats.window_length,
+        "imbalance": stats.imbalance,
+        "naive_weight_error": stats.naive_weight_error,
+        "audit_error": stats.audit_error,
+    }
+
+
+def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None) -> dict[str, float]:
+    """The metrics a monitor logs for one window (unprefixed)."""
+    counts = stats.rank_counts or (stats.global_count,)
+    metrics = {
+        "global_count": stats.global_count,
+        "rank_count_min": min(counts),
+        "rank_count_max": max(counts),
+        "rank_count_mean": stats.global_count / len(counts),
+        "window_length": float(stats.window_length),
+        "imbalance": stats.imbalance or 0.0,
+        "naive_weight_error": stats.naive_weight_error or 0.0,
+    }
+    if stats.loss is not None:
+        metrics["loss"] = stats.loss
+    if stats.aux_loss is not None:  # an 'aux_loss' was returned: its mean over real micro-batches
+        metrics["aux_loss"] = stats.aux_loss
+    if elapsed > 0 and math.isfinite(elapsed):
+        metrics["items_per_sec"] = stats.global_count / elapsed
+    if naive_loss is not None:
+        metrics["naive_loss"] = naive_loss
+    if stats.audit_error is not None:
+        metrics["audit_error"] = stats.audit_error
+    return metrics
+
+
+def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
+    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux); (None, None) for
+    a skipped micro-batch, which has no gradient."""
+    if isinstance(output, Tensor):
+        return output, None
+    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+        aux = output.get("aux_loss")
+        return output["loss"], aux if isinstance(aux, Tensor) else None
+    return None, None
+
+
+def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Tensor | None, Tensor | None]]:
+    """``audit_loss(model, batch)`` as the replay calls it, with a recorded micro-batch."""
+    return lambda module, micro_batch: loss_and_aux(audit_loss(module, micro_batch.batch))
+
+
+def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:
+    """``stats`` with the window's audit figure (``audit_error``), if it was audited."""
+    from dataclasses import replace
+
+    return stats if audit is None else replace(stats, audit_error=audit.error)
+
+
+__all__ = ["MonitorSettings", "Monitoring", "OnDivergence", "audited", "loss_and_aux", "replayed", "window_metrics"]

@@ -1,0 +1,135 @@
+"""Every user setting the package takes, checked once, where it is given, with one message per kind of mistake.
+
+The strategies, Fabric's accumulator and both monitors take their shared settings through these functions, so the
+same bad value gets the same error everywhere. A strategy's own parent arguments (what it hands through to
+``DDPStrategy`` or ``ModelParallelStrategy``) are checked here too: a name the parent does not take would otherwise
+fail after launch, inside each process, with Python's bare "unexpected keyword argument".
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable, Collection, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+LossReduction = Literal["mean", "sum"]
+Mode = Literal["lookahead", "deferred"]
+CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
+
+MODES: tuple[Mode, ...] = ("lookahead", "deferred")
+LOSS_REDUCTIONS: tuple[LossReduction, ...] = ("mean", "sum")
+OWN = ("count_fn", "loss_reduction", "mode", "pad_uneven_ranks")
+START_METHODS = ("popen", "spawn", "fork", "forkserver")  # DDPStrategy's `start_method` literal
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The objective and the mode a front end normalizes with, checked (:func:`checked_settings`)."""
+
+    count_fn: CountFn
+    count_fn_given: bool  # False: the default count, which changes the advice of a `num_items` mismatch
+    loss_reduction: LossReduction
+    pad_uneven_ranks: bool
+    mode: Mode = "lookahead"
+
+
+def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any) -> Settings:
+    """The settings, or a ``ValueError`` naming the argument, its value and the fix."""
+    from token_mean.counts import count_valid_labels
+
+    if mode not in MODES:
+        raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
+    if not isinstance(pad_uneven_ranks, bool):
+        raise ValueError(f"`pad_uneven_ranks` must be True or False, got {pad_uneven_ranks!r}.")
+    return Settings(checked_count_fn(count_fn) or count_valid_labels, count_fn is not None,
+                    checked_loss_reduction(loss_reduction) or "mean", pad_uneven_ranks, mode)
+
+
+def checked_count_fn(count_fn: Any) -> CountFn | None:
+    if count_fn is not None and not callable(count_fn):
+        raise TypeError(
+            f"`count_fn` must be a callable `count_fn(batch) -> int | float | Tensor`, got {type(count_fn).__name__}:"
+            f" {count_fn!r}. Pass e.g. `count_fn=token_mean.count_examples`, or leave it out."
+        )
+    return count_fn  # type: ignore[no-any-return]
+
+
+def checked_loss_reduction(loss_reduction: Any) -> LossReduction | None:
+    if loss_reduction is not None and loss_reduction not in LOSS_REDUCTIONS:
+        raise ValueError(
+            f"`loss_reduction` must be 'mean' (the loss is the mean over the micro-batch's valid items) or 'sum'"
+            f" (their sum), got {loss_reduction!r}."
+        )
+    return loss_reduction  # type: ignore[no-any-return]
+
+
+def positive_int(value: Any, name: str, what: str, none: str | None = None) -> int | None:
+    """``value``, or a ``ValueError`` unless it is an int >= 1 (``none``: what None means, when None is allowed)."""
+    if none is not None and value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        alternative = f" or None ({none})" if none is not None else ""
+        raise ValueError(f"`{name}` must be a positive int ({what}){alternative}, got {value!r}.")
+    return value
+
+
+def named_parameters(function: Callable[..., Any], leave_out: Collection[str] = ()) -> frozenset[str]:
+    """The keyword names ``function`` takes, less ``self``, ``*args``/``**kwargs`` and ``leave_out``."""
+    kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
+    return frozenset(name for name, parameter in inspect.signature(function).parameters.items()
+                     if parameter.kind in kinds and name != "self" and name not in leave_out)
+
+
+def check_passed_through(strategy: str, parent: str, kwargs: Mapping[str, Any], accepted: Collection[str]) -> None:
+    """A ``TypeError`` for the first name in ``kwargs`` that ``accepted`` lacks, saying where it belongs; a
+    ``ValueError`` for a value of the parent's own arguments that would fail only once processes start."""
+    import lightning.pytorch as pl
+
+    trainer_arguments = named_parameters(pl.Trainer.__init__)
+    for name, value in kwargs.items():
+        if name in accepted:
+            rule = _PARENT_VALUES.get(name)
+            if rule is not None and not rule[0](value):
+                raise ValueError(f"`{strategy}`: `{name}` must be {rule[1]}, got {value!r}.")
+            continue
+        if name in trainer_arguments:
+            raise TypeError(
+                f"`{strategy}` got `{name}={value!r}`, which is a `Trainer` argument: pass `{name}` to the `Trainer`"
+                f" (`pl.Trainer(..., {name}={value!r}, strategy={strategy}(...))`), not to the strategy."
+            )
+        raise TypeError(
+            f"`{strategy}` got an unexpected argument `{name}={value!r}`. It takes {', '.join(f'`{n}`' for n in OWN)}"
+            f" and the arguments of `{parent}`: {', '.join(f'`{n}`' for n in sorted(accepted))}."
+        )
+
+
+def _positive_or_auto(value: Any) -> bool:
+    return value == "auto" or (isinstance(value, int) and not isinstance(value, bool) and value >= 1)
+
+
+_PARENT_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
+    "start_method": (lambda v: v in START_METHODS, f"one of {START_METHODS}"),
+    "timeout": (lambda v: v is None or isinstance(v, timedelta), "a `datetime.timedelta` (or None)"),
+    "process_group_backend": (lambda v: v is None or isinstance(v, str), "a backend name such as 'gloo' (or None)"),
+    "data_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
+    "tensor_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
+}
+"""The parent's own arguments whose bad values would fail only after launch: (the check, what is expected)."""
+
+
+__all__ = [
+    "LOSS_REDUCTIONS",
+    "MODES",
+    "CountFn",
+    "LossReduction",
+    "Mode",
+    "Settings",
+    "check_passed_through",
+    "checked_count_fn",
+    "checked_loss_reduction",
+    "checked_settings",
+    "named_parameters",
+    "positive_int",
+]
