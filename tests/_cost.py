@@ -14,7 +14,7 @@ Events between a window's first forward (``LightningModule.training_step``) and 
 (``LightningModule.backward``; the strategy reads the window's record after it, in its ``backward`` hook) are also
 filed under the window's *in-window* tally: on a GPU a host read there would stall the device before a backward.
 
-Each event also gets an origin from the Python stack: ``host_count`` when ``token_mean.counts.read_count`` is on
+Each event also gets an origin from the Python stack: ``host_count`` when ``token_mean._counts.read_count`` is on
 it (lookahead counting the batch the loader yielded, before it moves to the device: a CPU tensor, so reading it never
 waits for an accelerator), ``count`` when the count function (``count_valid_labels``, the default in these runs) is
 on it otherwise (deferred mode and the monitor count the device batch), ``token_mean`` when the innermost frame
@@ -46,7 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import token_mean
 from token_mean import DenominatorMonitor, _lightning
-from token_mean.counts import count_shifted_labels, count_valid_labels, read_count
+from token_mean._counts import count_shifted_labels, count_valid_labels, read_count
 
 DEVICES, ACCUMULATE = 2, 4
 WINDOWS_PER_EPOCH, EPOCHS = 3, 3

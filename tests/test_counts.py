@@ -773,7 +773,7 @@ def _concat(batches: list[Batch]) -> Batch:
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
 def test_the_host_count_of_the_label_counts_is_their_own_count_and_nothing_else_takes_it(dtype: torch.dtype) -> None:
-    from token_mean.counts import host_count, read_count
+    from token_mean._counts import host_count, read_count
 
     labels = torch.tensor([[11, -100, 13, 14], [-100, 21, -100, 23], [31, 32, 33, -100]], dtype=dtype)
     batches = [{"labels": labels}, {"labels": labels[:, ::2]}, {"labels": labels[0]},

@@ -26,7 +26,7 @@ from token_mean._modes import Mode, make_mode
 from token_mean._reader import Reader
 from token_mean._settings import Settings
 from token_mean._window import MicroBatch, StepOutput
-from token_mean.counts import count_valid_labels
+from token_mean._counts import count_valid_labels
 
 FEATURES, CLASSES, ROWS, LENGTH = 3, 4, 2, 5
 IGNORE_INDEX = -100

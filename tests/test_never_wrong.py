@@ -1030,10 +1030,9 @@ def test_monitor_under_plain_ddp_checks_counts(tmp_path: Path, value: float) -> 
 #
 # Lightning steps when `ready % K == 0` with the K in force, zeroes the gradient at batches whose index is a multiple
 # of it, and divides each micro-batch's loss by it. A change where a window starts, at a multiple of the new K, is a
-# clean ramp; a change inside a window makes Lightning step a window that mixes two divisors (plain DDP weights its
-# later micro-batches by the new 1/K), which deferred mode follows exactly. Lookahead, which normalized the window's
-# first backward passes by the planned window's items, and a change at which Lightning zeroes the gradient in the
-# middle of a window (dropping its first batches) are refused on every rank, naming the change.
+# clean ramp, exact in both modes; a change inside a window (Lightning steps a window that mixes two divisors, or
+# zeroes the gradient in its middle) is refused on every rank in both modes, naming the change: the window's first
+# backward passes were normalized for the window as planned.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -1052,7 +1051,7 @@ class SetsK(Callback):
 
 K_RAMPS = [  # (K before, batch of the change, K after, batches, Lightning's windows, modes that follow it exactly)
     ("at-a-window-start", (2, 4, 4, 12, [[0, 1], [2, 3], [4, 5, 6, 7], [8, 9, 10, 11]], MODES)),
-    ("inside-a-window", (2, 1, 4, 8, [[0, 1, 2, 3], [4, 5, 6, 7]], ("deferred",))),
+    ("inside-a-window", (2, 1, 4, 8, [[0, 1, 2, 3], [4, 5, 6, 7]], ())),
     ("inside-where-lightning-zeroes", (3, 2, 2, 8, None, ())),  # plain DDP drops batches 0, 1: no exact control
 ]
 

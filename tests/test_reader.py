@@ -16,9 +16,9 @@ import torch
 
 from token_mean import DenominatorError
 from token_mean._epoch import UNKNOWN_END, Epoch
+from token_mean._layout import World
 from token_mean._problems import Problem
 from token_mean._reader import Entry, Reader
-from token_mean._layout import World
 from token_mean._record import Channel, Slot
 
 MODE: Any = SimpleNamespace(channel=Channel(World.single()))  # what an epoch asks of its mode outside a window
@@ -355,7 +355,7 @@ def test_batch_read_ahead_while_the_one_in_flight_shares_its_buffer_is_aliased()
 
 def test_batches_held_ahead_that_share_one_buffer_are_aliased_even_with_nothing_in_flight() -> None:
     reader = Reader(RefillingLoader(3))
-    epoch = begin(reader, 3)
+    begin(reader, 3)
     reader.read_ahead(2, in_flight=False)
     assert [entry.aliased for entry in reader.entries(0, 2)] == [False, True]
 
@@ -388,13 +388,13 @@ def test_the_same_batch_yielded_again_unchanged_is_not_aliased() -> None:
     tensor written in place between the reads (``fill_``, as a refilling loader does) is aliased."""
     labels = torch.tensor([1, 2, -100])
     reader = Reader(FakeLoader([{"labels": labels}] * 3))
-    epoch = begin(reader, 3)
+    begin(reader, 3)
     reader.read_ahead(3, in_flight=False)
     assert [entry.aliased for entry in reader.entries(0, 3)] == [False, False, False]
 
     refilled = RefillingLoader(3)
     reader = Reader(refilled)
-    epoch = begin(reader, 3)
+    begin(reader, 3)
     reader.read_ahead(3, in_flight=False)
     assert [entry.aliased for entry in reader.entries(0, 3)] == [False, True, True]
 

@@ -9,7 +9,6 @@ they would get wrong.
 
 from __future__ import annotations
 
-import time
 from pathlib import Path
 from typing import Any
 
@@ -205,14 +204,13 @@ def test_parameter_unfrozen_after_ddp_wrapped_the_model_drifts_under_plain_ddp(t
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# one rank ends its epoch early: `on_train_batch_start` returns -1 on rank 0 only
+# `on_train_batch_start` returns -1: Lightning ends that rank's epoch at a batch it does not train
 #
-# Lightning ends that rank's epoch at a batch it does not train, while the other rank trains on. When the leaving
-# rank reaches its next epoch (or the end of training) it meets the others where they are: it takes part in the
-# batch starts Lightning still broadcasts in their window, then in their window's exchange with a record that says
-# its epoch ended, and joins their last backward with zeros, so that they read that record. Every rank raises the
-# same out-of-step error, long before the process group's timeout. Where every rank returns -1 at the same batch,
-# the run goes on, as under plain DDP (the partial window is dropped).
+# A token-mean fit trains every window on every rank together, and a window cut short on some ranks leaves the others
+# waiting in its collectives. The package refuses the -1 on the rank that returns it, at once, before that rank
+# leaves the epoch (a clear error instead of a hang); where every rank returns it at one batch, every rank raises
+# the same error. Plain DDP goes on where every rank leaves (the partial window is dropped), and hangs until the
+# timeout where one rank leaves.
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -228,48 +226,40 @@ class LeavesEarly(TokenModule):
         return -1 if self.global_rank in self.leavers and self.current_epoch == 0 and batch_idx == self.at else None
 
 
-LEAVES = [  # (batch rank 0 leaves at, K, epochs, a stream): the first, middle and last batch of a window, the
-    # epoch's first batch (the others count its first window in a collective of their own), the run's last epoch
-    pytest.param(3, 2, 2, True, id="last-of-a-window-stream"),
-    pytest.param(3, 3, 2, False, id="first-of-a-window"),
-    pytest.param(4, 3, 2, False, id="middle-of-a-window"),
-    pytest.param(0, 3, 2, False, id="first-of-the-epoch"),
-    pytest.param(4, 3, 1, False, id="middle-of-the-last-epoch"),
-]
+LEFT_EARLY = "`on_train_batch_start` returned -1 at batch {at} on rank {rank}, ending this rank's epoch there"
 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize(("at", "k", "epochs", "iterable"), LEAVES)
-def test_a_rank_that_ends_its_epoch_early(tmp_path: Path, mode: str, at: int, k: int, epochs: int,
-                                          iterable: bool) -> None:
-    data = nonempty_data(9, seed=174)
-    module = LeavesEarly(data, at, iterable=iterable)
-    began = time.monotonic()
+def test_a_rank_that_ends_its_epoch_early_raises_at_once(tmp_path: Path, mode: str) -> None:
+    """Rank 0 returns -1 in the middle of a window: it raises there, naming the fix; rank 1, left in the window's
+    collectives, fails with it (its own message is the process group's)."""
+    module = LeavesEarly(nonempty_data(9, seed=174), 4, iterable=False)
     errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
-        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=k, max_epochs=epochs
+        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=3, max_epochs=2
     ))
-    elapsed = time.monotonic() - began
-    assert elapsed < SHORT_TIMEOUT.total_seconds() / 2, f"{elapsed:.1f} s: the ranks waited for the timeout"
-    assert len(set(errors)) == 1, errors
-    message = errors[0]
-    assert message.startswith("DenominatorError: ") and "the ranks are out of step" in message, message
-    assert "rank 0 at the end of its epoch, at a batch it did not train" in message, message
-    assert "`on_train_batch_start` returning -1 on one rank" in message, message
+    assert errors[0].startswith("DenominatorError: token_mean: " + LEFT_EARLY.format(at=4, rank=0)), errors[0]
+    assert "Fix: end epochs early with `limit_train_batches` or `max_steps`" in errors[0], errors[0]
+    assert LEFT_EARLY.format(at=4, rank=1) not in errors[1], errors[1]
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("mode", [*MODES, "plain"])
-def test_every_rank_ending_its_epoch_at_one_batch_goes_on(tmp_path: Path, mode: str) -> None:
-    """Both ranks leave epoch 0 at batch 3 (window [2, 3] holds batch 2 only, and no step is made for it)."""
+@pytest.mark.parametrize(("mode", "iterable"), [("lookahead", False), ("deferred", False), ("lookahead", True),
+                                               ("plain", False)])
+def test_every_rank_ending_its_epoch_at_one_batch_is_refused_on_every_rank(tmp_path: Path, mode: str,
+                                                                          iterable: bool) -> None:
+    """Both ranks leave epoch 0 at batch 3: every rank raises the same error. Control: plain DDP goes on, dropping
+    the partial window [2, 3]."""
     data = nonempty_data(6, seed=175)
-    params, _ = fit(LeavesEarly(data, 3, leavers=(0, 1)), strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,
-                    accumulate_grad_batches=2, max_epochs=2)
-    steps = [[rank[i] for rank in data for i in window] for window in ([0, 1], [0, 1], [2, 3], [4, 5])]
-    expected, _ = reference_steps(steps)
+    module = LeavesEarly(data, 3, leavers=(0, 1), iterable=iterable)
+    run = lambda: fit(module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path,  # noqa: E731
+                      accumulate_grad_batches=2, max_epochs=2)
     if mode == "plain":
-        assert relative_error(params, expected) > 1e-6
-    else:
-        assert relative_error(params, expected) < EXACT
-
+        params, _ = run()
+        steps = [[rank[i] for rank in data for i in window] for window in ([0, 1], [0, 1], [2, 3], [4, 5])]
+        assert relative_error(params, reference_steps(steps)[0]) > 1e-6  # a mean of means, as always
+        return
+    errors = raises_everywhere(tmp_path / "outcomes", run)
+    for rank, message in enumerate(errors):
+        assert message.startswith(f"DenominatorError: token_mean: {LEFT_EARLY.format(at=3, rank=rank)}"), message

@@ -27,7 +27,6 @@ from token_mean._record import (
     Mark,
     Reduced,
     Slot,
-    Values,
     raise_lines,
 )
 from token_mean._window import Window
@@ -62,8 +61,8 @@ class RecordingChannel(Channel):
         super().__init__(world, rank_counts)
         self.exchanges: list[Exchange] = []
 
-    def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
-        exchange = super()._exchange(kind, values, op)
+    def _exchange(self, kind: Kind, record: Tensor, op: Any) -> Exchange:
+        exchange = super()._exchange(kind, record, op)
         self.exchanges.append(exchange)
         return exchange
 
@@ -75,7 +74,13 @@ def all_reduce(exchanges: list[Exchange]) -> None:
         exchange.record = total.clone()
 
 
-def reduced_over(values: list[Values], kinds: list[Kind] | None = None, earlier: list[int] | None = None,
+def Values(host: dict[Slot, float] | None = None, device: Any = (), flags: frozenset[Problem] = frozenset(),
+           device_flags: Any = ()) -> dict[str, Any]:
+    """What one rank puts into a record, as ``Channel.record``'s keywords."""
+    return {"host": host or {}, "device": device, "flags": flags, "device_flags": device_flags}
+
+
+def reduced_over(values: list[dict[str, Any]], kinds: list[Kind] | None = None, earlier: list[int] | None = None,
                  kind: Kind = Kind.WINDOW) -> list[Reduced]:
     """Every rank's reading of the sum of the ranks' records (rank r at ``kinds[r]``, after ``earlier[r]`` other
     collectives on its channel)."""
@@ -85,12 +90,12 @@ def reduced_over(values: list[Values], kinds: list[Kind] | None = None, earlier:
         channel = Channel(world(size, rank))
         for _ in range((earlier or [0] * size)[rank]):
             channel.start(kind)
-        records.append(channel.record((kinds or [kind] * size)[rank], values[rank]))
+        records.append(channel.record((kinds or [kind] * size)[rank], **values[rank]))
     total = torch.stack(records).sum(0).tolist()
     return [Reduced(kind, total, world(size, rank), []) for rank in range(size)]
 
 
-def flagged_on(ranks: set[int], size: int, problem: Problem = Problem.BAD_LOSS) -> list[Values]:
+def flagged_on(ranks: set[int], size: int, problem: Problem = Problem.BAD_LOSS) -> list[dict[str, Any]]:
     return [Values(flags=frozenset({problem}) if rank in ranks else frozenset()) for rank in range(size)]
 
 
@@ -114,7 +119,7 @@ def read(win: Window, host: dict[Slot, float] | None = None) -> tuple[Reduced, f
 
 
 def test_record_holds_host_values_in_their_slots_and_the_kinds_mark_with_the_rank_bit() -> None:
-    record = Channel(world(4, 2)).record(Kind.WINDOW, Values({Slot.COUNT: 3.0, Slot.LENGTH: 2.0}))
+    record = Channel(world(4, 2)).record(Kind.WINDOW, **Values({Slot.COUNT: 3.0, Slot.LENGTH: 2.0}))
 
     assert record.dtype == torch.float64 and record.shape == (RECORD_SIZE,)
     assert record[Slot.COUNT] == 3.0 and record[Slot.LENGTH] == 2.0
@@ -129,11 +134,11 @@ def test_a_vector_of_slots_adds_like_its_scalars_and_the_rank_block_copies_count
 ) -> None:
     channel = Channel(world(3, 1), rank_counts=rank_counts)
     count, loss, naive = (torch.tensor(v, dtype=torch.float64) for v in (5.0, 2.5, 0.75))
-    scalars = channel.record(Kind.WINDOW, Values({Slot.LENGTH: 1.0}, [(Slot.COUNT, count), (Slot.LOSS_SUM, loss),
+    scalars = channel.record(Kind.WINDOW, **Values({Slot.LENGTH: 1.0}, [(Slot.COUNT, count), (Slot.LOSS_SUM, loss),
                                                                       (Slot.NAIVE, naive)]))
     slots = channel.count_slots
     vector = torch.stack([count] * len(slots) + [loss])
-    mixed = channel.record(Kind.WINDOW, Values({Slot.LENGTH: 1.0}, [((*slots, Slot.LOSS_SUM), vector),
+    mixed = channel.record(Kind.WINDOW, **Values({Slot.LENGTH: 1.0}, [((*slots, Slot.LOSS_SUM), vector),
                                                                      (Slot.NAIVE, naive)]))
 
     assert torch.equal(mixed, scalars)
@@ -175,27 +180,27 @@ def test_sequence_counts_the_collectives_started_on_the_channel() -> None:
 
 def test_device_values_are_added_to_the_host_values_of_their_slots() -> None:
     values = Values({Slot.COUNT: 1.0}, [(Slot.COUNT, torch.tensor(2)), (Slot.LOSS_SUM, torch.tensor(0.5))])
-    record = Channel(World.single()).record(Kind.WINDOW, values)
+    record = Channel(World.single()).record(Kind.WINDOW, **values)
     assert record[Slot.COUNT] == 3.0
     assert record[Slot.LOSS_SUM] == 0.5
 
 
 def test_device_flags_set_a_mark_with_the_rank_bit_only_when_true() -> None:
     values = Values(device_flags=[(Problem.BAD_LOSS, torch.tensor(True)), (Problem.COUNT_RANGE, torch.tensor(False))])
-    record = Channel(world(5, 3)).record(Kind.WINDOW, values)
+    record = Channel(world(5, 3)).record(Kind.WINDOW, **values)
     assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
     assert (record[ranks_slot(Problem.COUNT_RANGE)], record[bits_slot(Problem.COUNT_RANGE)]) == (0.0, 0.0)
 
 
 def test_problem_flagged_on_the_host_and_on_the_device_is_counted_once() -> None:
     values = Values(flags=frozenset({Problem.BAD_LOSS}), device_flags=[(Problem.BAD_LOSS, torch.tensor(True))])
-    record = Channel(world(5, 3)).record(Kind.WINDOW, values)
+    record = Channel(world(5, 3)).record(Kind.WINDOW, **values)
     assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
 
 
 def test_problem_twice_among_device_flags_is_still_one_rank() -> None:
     true = torch.tensor(True)
-    record = Channel(world(5, 3)).record(Kind.WINDOW, Values(device_flags=[(Problem.BAD_LOSS, true)] * 2))
+    record = Channel(world(5, 3)).record(Kind.WINDOW, **Values(device_flags=[(Problem.BAD_LOSS, true)] * 2))
     assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
 
 
@@ -205,7 +210,7 @@ def test_rank_counts_block_holds_each_ranks_count_in_its_own_slot() -> None:
     for rank in range(size):
         channel = Channel(world(size, rank), rank_counts=True)
         host = {Slot.COUNT: float(rank)}
-        records.append(channel.record(Kind.WINDOW, Values(host, [(Slot.COUNT, scalar(10.0))])))
+        records.append(channel.record(Kind.WINDOW, **Values(host, [(Slot.COUNT, scalar(10.0))])))
     assert all(record.shape == (RECORD_SIZE + size,) for record in records)
     assert records[1][RECORD_SIZE:].tolist() == [0.0, 11.0, 0.0]
 

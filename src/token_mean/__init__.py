@@ -15,7 +15,7 @@ from token_mean._monitor import OnDivergence
 from token_mean._settings import CountFn, LossReduction, Mode
 from token_mean._window import in_filler_batch
 from token_mean.callback import DenominatorMonitor
-from token_mean.counts import (
+from token_mean._counts import (
     IGNORE_INDEX,
     ClassWeightedCount,
     count_examples,

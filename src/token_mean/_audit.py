@@ -43,7 +43,7 @@ from torch import Tensor, nn
 
 from token_mean import _torch
 from token_mean._layout import World
-from token_mean.counts import read_count
+from token_mean._counts import read_count
 from token_mean.errors import AuditError
 from token_mean.results import Audit
 
@@ -61,22 +61,20 @@ LossFn = Callable[[nn.Module, "Recorded"], "tuple[Tensor | None, Tensor | None]"
 """(module, micro-batch) → (its loss as the run computed it, its ``aux_loss`` or None); None: no gradient."""
 
 
-@dataclass(frozen=True)
-class RngState:
-    """The global RNG streams a forward draws from (dropout): the CPU generator and every initialized CUDA one."""
+RngState = tuple[Tensor, tuple[Tensor, ...]]
+"""The global RNG streams a forward draws from (dropout): the CPU generator's state and every initialized CUDA one's."""
 
-    cpu: Tensor
-    cuda: tuple[Tensor, ...]
 
-    @staticmethod
-    def capture() -> RngState:
-        cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()  # type: ignore[no-untyped-call]
-        return RngState(torch.get_rng_state(), cuda)
+def capture_rng() -> RngState:
+    cuda = tuple(torch.cuda.get_rng_state_all()) if torch.cuda.is_initialized() else ()  # type: ignore[no-untyped-call]
+    return torch.get_rng_state(), cuda
 
-    def restore(self) -> None:
-        torch.set_rng_state(self.cpu)
-        if self.cuda:
-            torch.cuda.set_rng_state_all(list(self.cuda))
+
+def restore_rng(state: RngState) -> None:
+    cpu, cuda = state
+    torch.set_rng_state(cpu)
+    if cuda:
+        torch.cuda.set_rng_state_all(list(cuda))
 
 
 @dataclass(frozen=True)
@@ -158,16 +156,17 @@ def objective_error(
     dtypes = [p.dtype for _, p in parameters]
     if global_count == 0:
         return None, least_precise(dtypes)
-    window = _Window(micro_batches, counts, objective, global_count, global_real)
+    window = list(zip(micro_batches, counts, strict=True))
+    weigh = _weigher(objective, global_count, global_real)
     sharded = _torch.is_sharded(module)
     parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
     slots = _slots(parameters, used)
-    after = RngState.capture()
+    after = capture_rng()
     try:
         replay = _sharded_replay if sharded else _replay
-        buffers = replay(module, parameters, used, slots, window, dtypes)
+        buffers = replay(module, parameters, used, slots, window, objective, weigh, dtypes)
     finally:
-        after.restore()
+        restore_rng(after)
     if distributed:
         for flat in buffers.values():
             dist.all_reduce(flat, group=group)
@@ -235,29 +234,24 @@ class _Replay(nn.Module):
         return self._loss_fn(self.module, micro_batch)
 
 
-@dataclass(frozen=True)
-class _Window:
-    """What the replay needs of the audited window: its micro-batches, their counts and the window's totals."""
+Weigh = Callable[["Recorded", float, "tuple[Tensor | None, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
+"""(micro-batch, its count, its replayed (loss, aux)) → what it adds to J (None: nothing), the dtypes of what it
+adds appended to the list."""
 
-    micro_batches: Sequence[Recorded]
-    counts: Sequence[float]
-    objective: Objective
-    global_count: float
-    global_real: float
 
-    def total(self, micro_batch: Recorded, count: float, replayed: tuple[Tensor | None, Tensor | None],
+def _weigher(objective: Objective, global_count: float, global_real: float) -> Weigh:
+    """What one replayed micro-batch adds to J: w_m · loss_m (+ aux_m / M, the window's real micro-batches)."""
+
+    def weigh(micro_batch: Recorded, count: float, replayed: tuple[Tensor | None, Tensor | None],
               dtypes: list[torch.dtype]) -> Tensor | None:
-        """w_m · loss_m (+ aux_m / M) of one replayed micro-batch (None: it adds nothing); the dtypes of what it
-        adds are appended to ``dtypes``."""
         loss, aux = replayed
-        total = _weighted(loss, count, self.objective.loss_reduction, self.global_count)
+        total = _weighted(loss, count, objective.loss_reduction, global_count)
         dtypes += [t.dtype for t in (loss, aux) if t is not None]
-        if self.objective.with_aux and not micro_batch.filler and aux is not None:
-            total = aux / self.global_real if total is None else total + aux / self.global_real
+        if objective.with_aux and not micro_batch.filler and aux is not None:
+            total = aux / global_real if total is None else total + aux / global_real
         return total
 
-    def adds_nothing(self, micro_batch: Recorded, count: float) -> bool:
-        return count == 0 and not (self.objective.with_aux and not micro_batch.filler)
+    return weigh
 
 
 def _replay(
@@ -265,7 +259,9 @@ def _replay(
     parameters: Sequence[tuple[str, nn.Parameter]],
     used: Sequence[Tensor],
     slots: Sequence[_Slot],
-    window: _Window,
+    window: Sequence[tuple[Recorded, float]],
+    objective: Objective,
+    weigh: Weigh,
     dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
     """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for a module with plain parameters (``used``
@@ -277,14 +273,14 @@ def _replay(
         leaf.grad = view  # backward accumulates in place into the flat buffer
         leaves[f"module.{name}"] = leaf
     state = {**leaves, **_buffer_clones(module)}
-    replay = _Replay(module, window.objective.loss_fn)
-    for micro_batch, count in zip(window.micro_batches, window.counts, strict=True):
-        if window.adds_nothing(micro_batch, count):
+    replay = _Replay(module, objective.loss_fn)
+    for micro_batch, count in window:
+        if count == 0 and not (objective.with_aux and not micro_batch.filler):
             continue  # no item: no gradient (its mean loss is 0/0)
-        micro_batch.rng.restore()
-        with window.objective.context():
+        restore_rng(micro_batch.rng)
+        with objective.context():
             replayed = torch.func.functional_call(replay, state, (micro_batch,))
-        total = window.total(micro_batch, count, replayed, dtypes)
+        total = weigh(micro_batch, count, replayed, dtypes)
         if total is not None and total.requires_grad:
             total.backward()  # type: ignore[no-untyped-call]
     return buffers
@@ -314,7 +310,9 @@ def _sharded_replay(
     parameters: Sequence[tuple[str, nn.Parameter]],
     used: Sequence[Tensor],
     slots: Sequence[_Slot],
-    window: _Window,
+    window: Sequence[tuple[Recorded, float]],
+    objective: Objective,
+    weigh: Weigh,
     dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
     """This rank's share of g* for a module whose parameters FSDP2 shards or tensor parallelism splits, in flat
@@ -342,14 +340,14 @@ def _sharded_replay(
     ]
     outputs = Outputs(module)
     state = _buffer_clones(module)
-    replay = _Replay(module, window.objective.loss_fn)
+    replay = _Replay(module, objective.loss_fn)
     try:
         with torch.enable_grad():
-            for micro_batch, count in zip(window.micro_batches, window.counts, strict=True):
-                micro_batch.rng.restore()
-                with outputs.kept(), window.objective.context():
+            for micro_batch, count in window:
+                restore_rng(micro_batch.rng)
+                with outputs.kept(), objective.context():
                     replayed = torch.func.functional_call(replay, state, (micro_batch,))
-                total = window.total(micro_batch, count, replayed, dtypes)
+                total = weigh(micro_batch, count, replayed, dtypes)
                 sink.open = total is not None and total.requires_grad
                 if not sink.open:
                     total = next((t for t in replayed if t is not None and t.requires_grad), None)
@@ -557,7 +555,7 @@ class Auditor:
             self._recorded = [] if self._objective is not None and self._due(window) else None
             self._done = False
         if self._recorded is not None:
-            self._recorded.append(Recorded(batch, RngState.capture(), filler, index))
+            self._recorded.append(Recorded(batch, capture_rng(), filler, index))
 
     def filler(self) -> None:
         """The micro-batch recorded last is a zero-weight filler (its front end says so from its forward on)."""
@@ -611,7 +609,6 @@ __all__ = [
     "Objective",
     "OnAuditFailure",
     "Recorded",
-    "RngState",
     "audited_parameters",
     "failure_message",
     "least_precise",

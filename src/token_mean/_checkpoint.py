@@ -9,7 +9,6 @@ loop's checkpoint is the accumulator's :class:`Progress`: where its pass stopped
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import torch.distributed as dist
@@ -20,32 +19,10 @@ from token_mean._reader import Reader
 CHECKPOINT_KEY = "token_mean"
 
 
-@dataclass(frozen=True)
-class RankPosition:
-    """Where one rank's loaders stood: their states after the batches handed out, and whether they had run out."""
-
-    loaders: Any
-    exhausted: bool
-
-
 def every_rank(reader: Reader, world_size: int, distributed: bool) -> list[dict[str, Any]]:
     """Every rank's position, in rank order (an all-gather of small objects, at checkpoint time only)."""
     local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
     return gather_objects(local, world_size) if distributed else [local]
-
-
-def this_rank(state: Mapping[str, Any], world_size: int, rank: int) -> RankPosition | None:
-    """This rank's saved position (None when the checkpoint holds none).
-
-    Raises:
-        ValueError: for a checkpoint written mid-epoch by another number of processes.
-    """
-    ranks = state.get("loader_ranks")
-    if ranks is None:
-        return None
-    check_same_world(len(ranks), world_size, "an epoch", "a checkpoint written at the end of an epoch")
-    own = ranks[rank]
-    return RankPosition(own["loaders"], bool(own["exhausted"]))
 
 
 def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> None:
@@ -82,16 +59,24 @@ def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distribut
 
 
 def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, rank: int,
-            has_loader_states: bool) -> RankPosition | None:
-    """Restore the mode's counters from a checkpoint's ``state``; this rank's saved position, if it holds one (its
-    next pass then knows whether its loader had run out)."""
+            has_loader_states: bool) -> Any | None:
+    """Restore the mode's counters from a checkpoint's ``state``; returns this rank's own loader states to load
+    instead of rank 0's (None: the checkpoint holds none; its next pass then also knows whether its loader had run
+    out).
+
+    Raises:
+        ValueError: for a checkpoint written mid-epoch by another number of processes.
+    """
     if state is None:
         return None
     passes.mode.load_state_dict(state)
-    own = this_rank(state, world_size, rank) if has_loader_states else None
-    if own is not None:
-        passes.resume(own.exhausted)
-    return own
+    ranks = state.get("loader_ranks") if has_loader_states else None
+    if ranks is None:
+        return None
+    check_same_world(len(ranks), world_size, "an epoch", "a checkpoint written at the end of an epoch")
+    own = ranks[rank]
+    passes.resume(bool(own["exhausted"]))
+    return own["loaders"]
 
 
 class Progress:
@@ -174,10 +159,8 @@ class Progress:
 __all__ = [
     "CHECKPOINT_KEY",
     "Progress",
-    "RankPosition",
     "check_same_world",
     "checkpoint_state",
     "every_rank",
     "restore",
-    "this_rank",
 ]

@@ -17,15 +17,16 @@ def scaled_allreduce_hook(
 
     Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean. On NCCL
     the factor rides inside the all-reduce (``PREMUL_SUM``: no pass over the gradients at all); gloo refuses that op,
-    so elsewhere the bucket is scaled in place first. ``state()`` is the mode training the model now, held weakly (the
-    C++ reducer holds the state: a strong one would keep DDP and its process group alive, ``_ddp._HookState``);
-    outside a window, and once the mode is gone (an accumulator dropped while its model trains on), the hook is
-    DDP's mean.
+    so elsewhere the bucket is scaled in place first. ``state`` is ``[the mode training the model now (a weak
+    reference: the C++ reducer holds the state, and a strong one would keep DDP and its process group alive,
+    ``_exit``), DDP's process group, whether it is NCCL]`` (``_layout._install_hook``); outside a window, and once
+    the mode is gone (an accumulator dropped while its model trains on), the hook is DDP's mean.
     """
-    mode, group = state(), state.group
+    reference, group, nccl = state
+    mode = reference()
     factor = 1.0 / group.size() if mode is None else mode.gradient_factor()
     buffer = bucket.buffer()
-    if state.nccl and buffer.is_cuda and isinstance(factor, torch.Tensor):
+    if nccl and buffer.is_cuda and isinstance(factor, torch.Tensor):
         work = dist.all_reduce(buffer, op=_torch.premul_sum(factor.to(buffer.dtype)), group=group, async_op=True)
         assert work is not None
     else:

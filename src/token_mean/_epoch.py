@@ -24,7 +24,7 @@ from torch.utils.data import IterableDataset
 from token_mean._modes import Counts, Mode
 from token_mean._problems import Problem
 from token_mean._reader import Reader
-from token_mean._record import Kind, Slot, Values, raise_lines
+from token_mean._record import Kind, Slot, raise_lines
 from token_mean._window import MicroBatch, PassEnd, Window, k_changed, trained_twice_or_skipped
 from token_mean.results import WindowStats
 
@@ -64,7 +64,7 @@ class Epoch:
             return self
         channel = self.mode.channel
         has_batch = self.reader.has_real_from(0, in_flight=False)  # before the first fetch: positions from 0
-        reduced = channel.reduce(Kind.BATCHES, Values({Slot.MORE: float(has_batch)}))
+        reduced = channel.reduce(Kind.BATCHES, {Slot.MORE: float(has_batch)})
         ranks = round(reduced[Slot.MORE])
         lines = []
         if 0 < ranks < channel.world.size:
@@ -123,7 +123,7 @@ class Epoch:
                 " gradient of the window before it a second time")))
         self.mode.check_resumed_accumulate(start, accumulate)
         stop = self.window_stop(start, accumulate)
-        counts = self._next_counts if self._next_counts is not None and self._next_counts.stop == stop else None
+        counts = self._next_counts if self._next_counts is not None and self._next_counts[0] == stop else None
         entries = self.reader.entries(start, stop) if self.mode.reads_ahead and counts is None else []
         return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries,
                               self.reader.unchanged)
@@ -134,11 +134,10 @@ class Epoch:
         window = self._window
         if window is None or window.ended:
             raise RuntimeError("token_mean: internal error: a window was ended twice, or before it opened.")
-        ended = window.end()
-        self._next_counts = ended.next_counts
-        self.after(window, ended.more, ended.unsure)
-        self.mode.count_skipped(ended.stats)
-        return ended.stats
+        stats, ranks_with_more, unsure, self._next_counts = window.end()
+        self.after(window, ranks_with_more, unsure)
+        self.mode.count_skipped(stats)
+        return stats
 
     def after(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
         """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch
@@ -148,11 +147,11 @@ class Epoch:
             if unsure:  # the pass's last window: whether a loader yields past its length, agreed after the backward
                 problems = self._past_end() if self._checks_length() else []
                 flags = frozenset(problem for problem, _ in problems)
-                channel.reduce(Kind.PAST_END, Values(flags=flags)).check(window.where, _detail(problems))
+                channel.reduce(Kind.PAST_END, flags=flags).check(window.where, _detail(problems))
             return
         if unsure:  # a loader not known to yield fresh memory on some rank: a second collective, after the backward
             more = self.reader.has_real_from(window.stop, in_flight=False)
-            reduced = channel.reduce(Kind.STREAM_END, Values({Slot.MORE: float(more)}))
+            reduced = channel.reduce(Kind.STREAM_END, {Slot.MORE: float(more)})
             reduced.check(window.where)
             ranks_with_more = reduced[Slot.MORE]
         if not self._pad and 0 < ranks_with_more < channel.world.size:
@@ -256,9 +255,9 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
     channel = mode.channel
     world = channel.world
     length = local or 0
-    values = Values({Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(length * length),
-                     Slot.UNSIZED: float(local is None)})
-    reduced = channel.reduce(Kind.LENGTH, values)
+    reduced = channel.reduce(Kind.LENGTH, {Slot.EPOCH_LENGTH: float(length),
+                                           Slot.EPOCH_LENGTH_SQUARED: float(length * length),
+                                           Slot.UNSIZED: float(local is None)})
     reduced.check("the ranks' agreement on the epoch's length")
     unsized = round(reduced[Slot.UNSIZED])
     if unsized:
@@ -271,7 +270,7 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
     total, squares = reduced[Slot.EPOCH_LENGTH], reduced[Slot.EPOCH_LENGTH_SQUARED]
     if squares * world.size == total * total:
         return length
-    extremes = Values({Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(-length)})
+    extremes = {Slot.EPOCH_LENGTH: float(length), Slot.EPOCH_LENGTH_SQUARED: float(-length)}
     longest_of = channel.reduce(Kind.LENGTH, extremes, op=dist.ReduceOp.MAX)
     longest, shortest = round(longest_of[Slot.EPOCH_LENGTH]), -round(longest_of[Slot.EPOCH_LENGTH_SQUARED])
     if shortest == 0 or not pad_uneven_ranks:

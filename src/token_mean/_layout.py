@@ -153,31 +153,19 @@ def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: in
 _HOOK_STATE = "_token_mean_hook_state"
 
 
-class _HookState:
-    """The state of deferred's communication hook: the mode training the model now, held weakly. The reducer (C++)
-    holds this state, and the mode leads back to the DDP wrapper: a strong reference would make a cycle through C++
-    that ``gc`` never frees, keeping DDP and its process group alive into interpreter finalization (``_exit``)."""
-
-    def __init__(self, mode: Any, group: Any) -> None:
-        self.follow(mode)
-        self.group = group  # DDP's own process group, which DDP holds as long (no cycle)
-        self.nccl = dist.get_backend(group) == "nccl"  # asked once, not per bucket
-
-    def follow(self, mode: Any) -> None:
-        self._mode = weakref.ref(mode)
-
-    def __call__(self) -> Any:
-        return self._mode()
-
-
 def _install_hook(model: DistributedDataParallel, mode: Any) -> None:
     """Register deferred's hook (on every device type: Lightning registers ``ddp_comm_hook`` on CUDA only). DDP takes
-    one hook per model, for good: a later deferred mode on the same model takes over the installed hook's state."""
+    one hook per model, for good: a later deferred mode on the same model takes over the installed hook's state.
+
+    The state (``_comm_hook``) holds the mode weakly: the reducer (C++) holds the state, and the mode leads back to
+    the DDP wrapper, so a strong reference would make a cycle through C++ that ``gc`` never frees, keeping DDP and its
+    process group alive into interpreter finalization (``_exit``). The backend is asked once, not per bucket.
+    """
     state = getattr(model, _HOOK_STATE, None)
-    if isinstance(state, _HookState):
-        state.follow(mode)
+    if isinstance(state, list):
+        state[0] = weakref.ref(mode)
         return
-    state = _HookState(mode, model.process_group)
+    state = [weakref.ref(mode), model.process_group, dist.get_backend(model.process_group) == "nccl"]
     try:
         model.register_comm_hook(state, scaled_allreduce_hook)
     except RuntimeError as error:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
@@ -30,20 +30,15 @@ from torch import Tensor
 from token_mean._layout import Layout
 from token_mean._problems import Problem
 from token_mean._reader import Entry
-from token_mean._record import Channel, Kind, Reduced, Slot, Values
+from token_mean._record import Channel, Kind, Reduced, Slot
 from token_mean._settings import Settings
 from token_mean._window import Ended, MicroBatch, StepOutput, Window, check_global_count, mismatch, scale_of
-from token_mean.counts import first_labels, read_count
+from token_mean._counts import first_labels, read_count
 from token_mean.results import WindowStats
 
-
-class Counts(NamedTuple):
-    """A window's counts, known before its first forward: this rank's per position, and their sums over ranks."""
-
-    stop: int
-    local: list[float]  # this rank's count at each position of the window (0 for a filler)
-    global_count: float  # N
-    real: float  # the window's real micro-batches over all ranks (what 'aux_loss' is averaged over)
+Counts = tuple[int, list[float], float, float]
+"""A window's counts, known before its first forward: where it stops, this rank's count at each of its positions (0
+for a filler), N, and its real micro-batches over all ranks (what 'aux_loss' is averaged over)."""
 
 
 class Mode:
@@ -118,9 +113,9 @@ class Lookahead(Mode):
             return _LookaheadWindow(self, start, stop, accumulate, step, counts, unchanged)
         # the pass's first window (or the first after K changed): a collective of its own, before its first forward
         stop = start + len(entries)  # fewer where a loader that yields nothing ends
-        window = _LookaheadWindow(self, start, stop, accumulate, step, Counts(stop, [], 0.0, 0.0), unchanged)
+        window = _LookaheadWindow(self, start, stop, accumulate, step, (stop, [], 0.0, 0.0), unchanged)
         local, host = self.announce(entries, window)
-        reduced = self.channel.reduce(Kind.FIRST_COUNTS, Values(host, flags=frozenset(window.flags)))
+        reduced = self.channel.reduce(Kind.FIRST_COUNTS, host, flags=window.flags)
         reduced.check(window.where, window.detail)
         window.known(self.accept(reduced, stop, local, window, lambda: window.where))
         return window
@@ -151,7 +146,7 @@ class Lookahead(Mode):
         global_count = reduced[Slot.NEXT_COUNT]
         check_global_count(global_count, self.world_size * window.accumulate, where, window.detail,
                            self.channel.world.rank)
-        return Counts(stop, local, global_count, reduced[Slot.NEXT_REAL])
+        return stop, local, global_count, reduced[Slot.NEXT_REAL]
 
 
 class _LookaheadWindow(Window):
@@ -167,12 +162,12 @@ class _LookaheadWindow(Window):
         self.known(counts)
 
     def known(self, counts: Counts) -> None:
-        self.counts = counts
+        _, self._read, self._n, self._real = counts  # this rank's counts read ahead; N; real micro-batches
         # the reduction averages over P: an item's share of 1/N
-        self._share = scale_of(self._lookahead.world_size, counts.global_count)
+        self._share = scale_of(self._lookahead.world_size, self._n)
 
     def _count_of(self, entry: Entry) -> float:
-        return 0.0 if entry.filler else self.counts.local[entry.position - self.start]
+        return 0.0 if entry.filler else self._read[entry.position - self.start]
 
     def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
         if micro.filler:
@@ -181,7 +176,7 @@ class _LookaheadWindow(Window):
             settings = self._lookahead.settings
             if self._unchanged(batch):  # the very tensors counted as read: only 'num_items' to check
                 if output.num_items is not None:
-                    reported = self._on_device(output.num_items, "'num_items'")
+                    reported = self.on_device(output.num_items, "'num_items'")
                     if reported is not None:
                         self.check_equal(mismatch(settings.count_fn_given), reported, micro.count, first_labels(batch))
             else:  # moved to the device or changed by a hook: counted again as received, and the two must agree
@@ -192,7 +187,7 @@ class _LookaheadWindow(Window):
             self.add(micro.count, output.loss, filler=False, aux=output.aux_loss)
         if micro.last:
             self._next_local, host = self._lookahead.announce(self._following, self)
-            self.close({**host, **self._pass_end_slots()})
+            self.close(host)
         return self._scaled(micro, output)
 
     def _scaled(self, micro: MicroBatch, output: StepOutput) -> Tensor:
@@ -202,7 +197,7 @@ class _LookaheadWindow(Window):
         else:  # the mean of an empty micro-batch is 0/0 = NaN; its backward must still run for the reduction
             scaled = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         if output.aux_loss is not None:
-            real = self.counts.real
+            real = self._real
             weight = 0.0 if micro.filler or real == 0 else self._lookahead.world_size / real
             scaled = scaled + output.aux_loss * weight
         return scaled
@@ -210,12 +205,12 @@ class _LookaheadWindow(Window):
     def end(self) -> Ended:
         """The one host read, which also brings the next window's counts: every problem raised before the update."""
         reduced, local = self.read()
-        stop = self.counts.stop + len(self._next_local)
+        stop = self.stop + len(self._next_local)
         next_counts = self._lookahead.accept(reduced, stop, self._next_local, self, lambda: self.where_next(stop))
-        real = self.counts.real
-        aux = reduced[Slot.AUX_SUM] / real if self._aux and real else None
-        stats = self.stats(reduced, local, self.counts.global_count, aux)
-        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
+        real = self._real
+        aux = reduced[Slot.AUX_SUM] / real if self.aux and real else None
+        stats = self.stats(reduced, local, self._n, aux)
+        return stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts
 
     def where_next(self, stop: int) -> str:
         return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
@@ -247,7 +242,7 @@ class Deferred(Mode):
         if self._provisional is None:
             world, estimate = self.channel.world, first * accumulate
             if world.gradients_averaged and world.distributed:
-                exchange = self.channel.start(Kind.PROVISIONAL, Values(device=[(Slot.COUNT, estimate)]))
+                exchange = self.channel.start(Kind.PROVISIONAL, device=[(Slot.COUNT, estimate)])
                 estimate = exchange.wait()[Slot.COUNT] / world.size
             self._provisional = torch.clamp(estimate.to(torch.float64), min=1.0)
         return self._provisional
@@ -313,7 +308,7 @@ class _DeferredWindow(Window):
         if micro.position == self.start:
             self._provisional = self._deferred.provisional(count, self.accumulate)
         if micro.last:
-            self.close(self._pass_end_slots())
+            self.close()
             self._deferred.reducing = self
         # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
         # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
@@ -335,41 +330,7 @@ class _DeferredWindow(Window):
         global_count = reduced[Slot.COUNT]
         check_global_count(global_count, 1.0, lambda: self.where, self.detail, self.channel.world.rank)
         self._deferred.follow(global_count)
-        return Ended(self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0)
+        return self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None
 
 
-class Measured(Window):
-    """A window under a strategy that does not normalize it (``DenominatorMonitor`` under plain DDP, FSDP2, one
-    device): each micro-batch counted as received, its loss undone from Lightning's division by K, plain DDP's own
-    loss in the ``NAIVE`` slot; a NaN loss is the strategy's to judge, not the measurement's."""
-
-    def __init__(self, channel: Channel, start: int, step: int, count_fn: Callable[[Any], Any],
-                 loss_reduction: str) -> None:
-        super().__init__(channel, start, start, 1, f"optimizer step {step} (measured by DenominatorMonitor",
-                         loss_reduction, judge_losses=False)
-        self._count_fn = count_fn
-
-    def add_batch(self, batch: Any, outputs: Any, accumulate: int) -> None:
-        """One micro-batch; ``accumulate`` is what the loop divided its loss by."""
-        loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-        self.stop += 1
-        if not isinstance(loss, Tensor):
-            self.add(self.channel.zero(), None, filler=True)  # a skipped micro-batch: no gradient, so no items
-            return
-        try:
-            count = self._on_device(self._count_fn(batch), "`count_fn`")
-        except Exception as error:  # every rank must reach the window's collective to learn of it
-            count = None
-            self.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
-        naive = loss.detach().reshape(()).to(device=self.channel.world.device, dtype=torch.float64)
-        self.add_to(Slot.NAIVE, naive)
-        self.add(self.channel.zero() if count is None else count, naive * accumulate, filler=False)
-
-    def finish(self) -> tuple[WindowStats, float]:
-        """The window's stats (the same error on every rank for a bad count) and plain DDP's own loss."""
-        self.close()
-        reduced, local = self.read()
-        return self.stats(reduced, local, reduced[Slot.COUNT]), reduced[Slot.NAIVE] / self.channel.world.size
-
-
-__all__ = ["Counts", "Deferred", "Lookahead", "Measured", "Mode", "make_mode"]
+__all__ = ["Counts", "Deferred", "Lookahead", "Mode", "make_mode"]

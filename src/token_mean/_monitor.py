@@ -12,7 +12,6 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -30,47 +29,28 @@ OnDivergence = Literal["warn", "raise", "log"]
 TraceValue = float | int | None
 
 
-@dataclass(frozen=True)
-class MonitorSettings:
-    """A monitor's settings, checked once (:meth:`checked`)."""
-
-    count_fn: CountFn | None
-    loss_reduction: LossReduction | None
-    logging_interval: int | None
-    prefix: str
-    record: str | os.PathLike[str] | None
-    reference: str | os.PathLike[str] | None
-    rtol: float
-    atol: float
-    on_divergence: OnDivergence
-    audit_loss: Callable[[Any, Any], Any] | None
-
-    @staticmethod
-    def checked(count_fn: Any, loss_reduction: Any, logging_interval: Any, prefix: Any, record: Any, reference: Any,
-                rtol: Any, atol: Any, on_divergence: Any, audit_loss: Any) -> MonitorSettings:
-        """The settings, or an error naming the argument, its value and the fix."""
-        positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
-        if not isinstance(prefix, str):
-            raise TypeError(f"`prefix` must be a str such as 'denominator', got {type(prefix).__name__}: {prefix!r}.")
-        for name, tolerance in (("rtol", rtol), ("atol", atol)):
-            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
-                raise ValueError(f"`{name}` must be a number >= 0, got {tolerance!r}.")
-        if on_divergence not in ("warn", "raise", "log"):
-            raise ValueError(f"`on_divergence` must be 'warn', 'raise' or 'log', got {on_divergence!r}.")
-        if record is not None:
-            trace_format(record, "record")
-        if reference is not None:
-            trace_format(reference, "reference")
-        if record is not None and reference is not None and Path(record).resolve() == Path(reference).resolve():
-            raise ValueError(
-                f"`record` and `reference` are the same file, {os.fspath(record)!r}: recording would overwrite the"
-                " reference before it is read. Record to another path."
-            )
-        if audit_loss is not None and not callable(audit_loss):
-            raise TypeError(f"`audit_loss` must be a callable fn(model, batch) -> loss, got {audit_loss!r}.")
-        prefix = f"{prefix}/" if prefix and not prefix.endswith("/") else prefix
-        return MonitorSettings(checked_count_fn(count_fn), checked_loss_reduction(loss_reduction), logging_interval,
-                               prefix, record, reference, float(rtol), float(atol), on_divergence, audit_loss)
+def _check_settings(logging_interval: Any, prefix: Any, record: Any, reference: Any, rtol: Any, atol: Any,
+                    on_divergence: Any, audit_loss: Any) -> None:
+    """An error naming the argument, its value and the fix, for a monitor's setting out of range."""
+    positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
+    if not isinstance(prefix, str):
+        raise TypeError(f"`prefix` must be a str such as 'denominator', got {type(prefix).__name__}: {prefix!r}.")
+    for name, tolerance in (("rtol", rtol), ("atol", atol)):
+        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+            raise ValueError(f"`{name}` must be a number >= 0, got {tolerance!r}.")
+    if on_divergence not in ("warn", "raise", "log"):
+        raise ValueError(f"`on_divergence` must be 'warn', 'raise' or 'log', got {on_divergence!r}.")
+    if record is not None:
+        trace_format(record, "record")
+    if reference is not None:
+        trace_format(reference, "reference")
+    if record is not None and reference is not None and Path(record).resolve() == Path(reference).resolve():
+        raise ValueError(
+            f"`record` and `reference` are the same file, {os.fspath(record)!r}: recording would overwrite the"
+            " reference before it is read. Record to another path."
+        )
+    if audit_loss is not None and not callable(audit_loss):
+        raise TypeError(f"`audit_loss` must be a callable fn(model, batch) -> loss, got {audit_loss!r}.")
 
 
 class Monitoring:
@@ -109,8 +89,14 @@ class Monitoring:
         audit_tolerance: float | None = None,
         audit_loss: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        self._settings = MonitorSettings.checked(count_fn, loss_reduction, logging_interval, prefix, record, reference,
-                                                 rtol, atol, on_divergence, audit_loss)
+        _check_settings(logging_interval, prefix, record, reference, rtol, atol, on_divergence, audit_loss)
+        self.count_fn: CountFn | None = checked_count_fn(count_fn)
+        self.loss_reduction: LossReduction | None = checked_loss_reduction(loss_reduction)
+        self.prefix = f"{prefix}/" if prefix and not prefix.endswith("/") else prefix
+        self.record, self.reference = record, reference
+        self.rtol, self.atol = float(rtol), float(atol)
+        self.on_divergence: OnDivergence = on_divergence
+        self.audit_loss = audit_loss
         self._auditor = Auditor(audit_every, on_audit_failure, audit_tolerance, type(self).__name__)
         self.audits: list[Audit] = self._auditor.audits  # every audited window of the last run, in order
         self.logging_interval = logging_interval
@@ -127,15 +113,14 @@ class Monitoring:
         """What a front end's monitor checks and sets up once the shared settings are checked."""
 
     def _read_reference(self) -> None:
-        settings = self._settings
-        if settings.reference is not None:
-            self._reference = TraceComparison(settings.reference, settings.rtol, settings.atol, type(self).__name__)
+        if self.reference is not None:
+            self._reference = TraceComparison(self.reference, self.rtol, self.atol, type(self).__name__)
 
     @property
     def fingerprints(self) -> bool:
         """Whether the steps' gradient and parameter norms are needed (a trace is written or compared), on every rank:
         the norm of a sharded model is a collective."""
-        return self._settings.record is not None or self._settings.reference is not None
+        return self.record is not None or self.reference is not None
 
     def _start_run(self, writes: bool, first_step: int, total_steps: float) -> None:
         """A run starts at ``first_step`` and takes ``total_steps`` (``inf``: unknown); ``writes``: rank zero."""
@@ -143,8 +128,8 @@ class Monitoring:
         self._warned_past_reference = False
         if self._reference is not None:
             self._reference.check_length(first_step, total_steps)
-        if self._settings.record is not None and writes:
-            self._writer = TraceWriter(self._settings.record)
+        if self.record is not None and writes:
+            self._writer = TraceWriter(self.record)
 
     def _window(self, step: int, stats: WindowStats, elapsed: float, norms: tuple[Tensor | None, Tensor | None],
                 naive_loss: float | None = None) -> tuple[dict[str, float], bool]:
@@ -160,12 +145,12 @@ class Monitoring:
             divergence = self._compare(step, row)
         metrics = window_metrics(stats, elapsed, naive_loss)
         log_now = stats.audit_error is not None
-        if self._reference is not None and self._settings.on_divergence == "log":
+        if self._reference is not None and self.on_divergence == "log":
             metrics["reference_divergence"] = float(divergence is not None)
             log_now = log_now or divergence is not None
         if divergence is not None and self.first_divergence is None:
             self._diverged(divergence)
-        return {f"{self._settings.prefix}{name}": value for name, value in metrics.items()}, log_now
+        return {f"{self.prefix}{name}": value for name, value in metrics.items()}, log_now
 
     def _compare(self, step: int, row: dict[str, TraceValue]) -> Divergence | None:
         if self._reference is None:
@@ -173,7 +158,7 @@ class Monitoring:
         missing = self._reference.missing(step)
         if missing is None:
             return self._reference.compare(step, row)
-        if self._settings.on_divergence == "raise":
+        if self.on_divergence == "raise":
             raise DivergenceError(missing)
         if not self._warned_past_reference:
             self._warned_past_reference = True
@@ -182,9 +167,9 @@ class Monitoring:
 
     def _diverged(self, divergence: Divergence) -> None:
         self.first_divergence = divergence
-        if self._settings.on_divergence == "raise":
+        if self.on_divergence == "raise":
             raise DivergenceError(divergence.message)
-        (rank_zero_warn if self._settings.on_divergence == "warn" else rank_zero_info)(divergence.message)
+        (rank_zero_warn if self.on_divergence == "warn" else rank_zero_info)(divergence.message)
 
     def close(self) -> None:
         """Close the trace file (the writer also closes it when the monitor goes)."""
@@ -259,4 +244,4 @@ def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:
     return stats if audit is None else replace(stats, audit_error=audit.error)
 
 
-__all__ = ["MonitorSettings", "Monitoring", "OnDivergence", "audited", "loss_and_aux", "replayed", "window_metrics"]
+__all__ = ["Monitoring", "OnDivergence", "audited", "loss_and_aux", "replayed", "window_metrics"]

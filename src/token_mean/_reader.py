@@ -18,6 +18,13 @@ from torch.utils._pytree import tree_flatten
 
 from token_mean import _torch
 
+Memory = tuple[tuple[tuple[int, int, int, int], ...], tuple[tuple[int, int], ...]]
+"""The bytes a batch's tensors cover, each tensor's ``(start, stop, id, version)``, and its tensors' ``(id,
+version)`` in the batch's order. A batch whose memory overlaps another's is a refilled buffer, unless it is the very
+same tensors there, unchanged since the other was read (a loader that yields one batch again without writing to it).
+Tensors are told apart by ``id`` only against batches the reader or the loop still holds (alive: ids not reused)."""
+_NO_MEMORY: Memory = ((), ())
+
 
 class Entry(NamedTuple):
     """One batch handed (or to be handed) to the loop, by its position in the epoch."""
@@ -26,48 +33,12 @@ class Entry(NamedTuple):
     filler: bool  # a repeat of a real batch at weight zero, so an exhausted rank still joins every collective
     batch: Any = None  # the batch as the loader yielded it (None for a filler)
     aliased: bool = False  # it shares memory with a batch still held or in flight when it was read
+    item: Any = None  # what the loader yielded, the batch first
+    state: Any = None  # the loaders' state before it was read (a stateful loader's, read ahead)
+    memory: Memory = _NO_MEMORY
 
 
-class _Memory(NamedTuple):
-    """The bytes a batch's tensors cover: each tensor's span ``(start, stop, id, version)``.
-
-    A batch whose memory overlaps another's is a refilled buffer, unless it is the very same tensors there, unchanged
-    since the other was read: a loader that yields one batch again (a one-batch epoch cycled, a dataset of stored
-    tensors) without writing to it. Tensors are told apart by ``id`` only against batches the reader or the loop
-    still holds (alive, so their ids are not reused).
-    """
-
-    spans: tuple[tuple[int, int, int, int], ...] = ()
-    fingerprint: tuple[tuple[int, int], ...] = ()  # (id, version) of each tensor, in the batch's order
-
-    def shares(self, other: _Memory) -> bool:
-        for start, stop, _, _ in self.spans:
-            for other_start, other_stop, _, _ in other.spans:
-                if start < other_stop and other_start < stop:
-                    return True
-        return False
-
-    def overwrites(self, others: list[_Memory]) -> bool:
-        """Whether this batch's memory overlaps that of one of ``others`` where it is not the very same tensor."""
-        for other in others:
-            for start, stop, tensor, version in self.spans:
-                for other_start, other_stop, _, _ in other.spans:
-                    if start < other_stop and other_start < stop and (tensor, version) not in other.fingerprint:
-                        return True
-        return False
-
-
-_NO_MEMORY = _Memory()
-
-
-class _Held(NamedTuple):
-    item: Any
-    entry: Entry
-    state: Any  # the loaders' state before this item was read (stateful loaders only)
-    storages: _Memory
-
-
-def _storages(batch: Any) -> _Memory:
+def _memory_of(batch: Any) -> Memory:
     spans: list[tuple[int, int, int, int]] = []
     fingerprint: list[tuple[int, int]] = []
     for tensor in _tensors(batch):  # one pass, no intermediate lists: this runs for every batch read
@@ -76,7 +47,19 @@ def _storages(batch: Any) -> _Memory:
         fingerprint.append(key)
         if start != stop:
             spans.append((start, stop, *key))
-    return _Memory(tuple(spans), tuple(fingerprint))
+    return tuple(spans), tuple(fingerprint)
+
+
+def _shares(memory: Memory, other: Memory) -> bool:
+    return any(start < other_stop and other_start < stop
+               for start, stop, _, _ in memory[0] for other_start, other_stop, _, _ in other[0])
+
+
+def _overwrites(memory: Memory, others: list[Memory]) -> bool:
+    """Whether ``memory`` overlaps that of one of ``others`` where it is not the very same tensor."""
+    return any(start < other_stop and other_start < stop and (tensor, version) not in other[1]
+               for other in others for start, stop, tensor, version in memory[0]
+               for other_start, other_stop, _, _ in other[0])
 
 
 _LEAVES = (int, float, bool, str, bytes, type(None))
@@ -132,9 +115,14 @@ class Reader:
         self._started = False
         self.start = 0  # the pass's first position (after the batches a resumed pass trained before)
         self._position = 0  # of the next item handed out
-        self._held: deque[_Held] = deque()  # read ahead of the loop
+        self._held: deque[Entry] = deque()  # read ahead of the loop
         self._entries: deque[Entry] = deque()  # handed out and held, in order
-        self._memory = _Memories()
+        self._current: Memory = _NO_MEMORY  # of the batch handed out last
+        self._previous: Memory = _NO_MEMORY  # of the last real batch read
+        self._reads = 0  # real batches read
+        # A loader is known to yield fresh memory after two real batches read of which none shared the previous one's
+        # bytes; one that refills a buffer (or shares a tensor between batches) never is, once seen.
+        self.refills = False
         self._limit: int | None = None
         self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
         self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
@@ -152,7 +140,7 @@ class Reader:
         self._held.clear()
         self._entries.clear()
         self.current = None
-        self._memory.current = _NO_MEMORY
+        self._current = _NO_MEMORY
 
     def adopt(self, items: list[Any]) -> None:
         """Raw items the loop had read before the reader was installed: they come first."""
@@ -172,17 +160,12 @@ class Reader:
         self.resumed_without_state = start > 0 and not self.stateful and not self._skipped
         self._position += start
         self._entries = deque(entry._replace(position=entry.position + start) for entry in self._entries)
-        self._held = deque(held._replace(entry=held.entry._replace(position=held.entry.position + start))
-                           for held in self._held)
+        self._held = deque(held._replace(position=held.position + start) for held in self._held)
 
     @property
     def fresh(self) -> bool:
-        """Whether the loader is known to yield fresh memory (see :class:`_Memories`)."""
-        return self._memory.fresh
-
-    @property
-    def refills(self) -> bool:
-        return self._memory.refills
+        """Whether the loader is known to yield fresh memory."""
+        return self._reads >= 2 and not self.refills
 
     @property
     def stateful(self) -> bool:
@@ -209,15 +192,14 @@ class Reader:
             self._held.clear()  # speculative reads past an end the ranks agreed on
             raise StopIteration
         if self._held:
-            held = self._held.popleft()
-            item, entry, storages = held.item, held.entry, held.storages
+            entry = self._held.popleft()
         else:  # the batch before it is done: only batches held ahead can be overwritten
-            item, entry, storages = self._read(self._position, in_flight=False)
+            entry = self._read(self._position, in_flight=False)
             self._entries.append(entry)
         self._position += 1
         self.current = entry
-        self._memory.current = storages
-        return item
+        self._current = entry.memory
+        return entry.item
 
     def consumed_state(self) -> Any:
         """The loaders' state after the batches handed out: batches held ahead are not consumed yet."""
@@ -229,7 +211,7 @@ class Reader:
     def consumed_exhausted(self) -> bool:
         """Whether the loader had run out at the consumed position: one that only ran out while reading ahead
         still holds real batches to hand out."""
-        return self.exhausted and (not self._held or self._held[0].entry.filler)
+        return self.exhausted and (not self._held or self._held[0].filler)
 
     # ---- the modes' side ----
 
@@ -260,10 +242,10 @@ class Reader:
         while next_read < stop and (at_most is None or reads < at_most):
             state = self._snapshot() if self._snapshot is not None else None  # before the read: not consumed yet
             try:
-                item, entry, storages = self._read(next_read, in_flight)
+                entry = self._read(next_read, in_flight)._replace(state=state)
             except StopIteration:
                 return
-            self._held.append(_Held(item, entry, state, storages))
+            self._held.append(entry)
             self._entries.append(entry)
             next_read += 1
             reads += 1
@@ -281,52 +263,8 @@ class Reader:
     def unchanged(self, batch: Any) -> bool:
         """Whether ``batch`` holds the very tensors of the batch handed out last, unchanged since they were read (no
         hook between the loader and the forward moved, replaced or wrote them)."""
-        return self._memory.unchanged(batch)
-
-    def yields_beyond(self, items: int) -> bool:
-        """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
-        until it has drawn one more, or runs out. Not for a loader under a limit."""
-        return self._source.draws_beyond(items)
-
-    def _read(self, position: int, in_flight: bool) -> tuple[Any, Entry, _Memory]:
-        """The item at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
-        not finished its backward, so a batch sharing its memory would overwrite it."""
-        if self._limit is not None and position >= self._limit:
-            self._source.stop()
-        item, filler = self._source.next()
-        if filler:
-            return item, Entry(position, filler=True), _NO_MEMORY
-        storages = _storages(item[0])
-        aliased = self._memory.read(storages, [held.storages for held in self._held], in_flight)
-        return item, Entry(position, filler=False, batch=item[0], aliased=aliased), storages
-
-
-class _Memories:
-    """The memory of the batches a reader read: whether a new one overwrites one held or in flight, and whether the
-    loader is known to yield fresh memory (two real batches read, none sharing the previous one's bytes: a loader
-    that refills one buffer, or shares a tensor between batches, never is)."""
-
-    def __init__(self) -> None:
-        self.current = _NO_MEMORY  # of the batch handed out last
-        self._previous = _NO_MEMORY  # of the last real batch read
-        self._reads = 0
-        self.refills = False  # a real batch shared memory with the one read before it (a prior: never fresh again)
-
-    @property
-    def fresh(self) -> bool:
-        return self._reads >= 2 and not self.refills
-
-    def read(self, memory: _Memory, held: list[_Memory], in_flight: bool) -> bool:
-        """A real batch read with ``memory``: whether it overwrites one ``held`` ahead or, ``in_flight``, the
-        current one (its backward has not run)."""
-        self.refills = self.refills or memory.shares(self._previous)
-        self._previous = memory
-        self._reads += 1
-        return memory.overwrites([*held, self.current] if in_flight else held)
-
-    def unchanged(self, batch: Any) -> bool:
         # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
-        current = self.current.fingerprint
+        current = self._current[1]
         tensors = _tensors(batch)
         if not current or len(tensors) != len(current):
             return False
@@ -334,6 +272,27 @@ class _Memories:
             if id(tensor) != identity or _torch.version(tensor) != version:
                 return False
         return True
+
+    def yields_beyond(self, items: int) -> bool:
+        """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
+        until it has drawn one more, or runs out. Not for a loader under a limit."""
+        return self._source.draws_beyond(items)
+
+    def _read(self, position: int, in_flight: bool) -> Entry:
+        """The entry at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
+        not finished its backward, so a batch sharing its memory would overwrite it."""
+        if self._limit is not None and position >= self._limit:
+            self._source.stop()
+        item, filler = self._source.next()
+        if filler:
+            return Entry(position, filler=True, item=item)
+        memory = _memory_of(item[0])
+        self.refills = self.refills or _shares(memory, self._previous)
+        self._previous = memory
+        self._reads += 1
+        held = [entry.memory for entry in self._held]
+        aliased = _overwrites(memory, [*held, self._current] if in_flight else held)
+        return Entry(position, False, item[0], aliased, item, memory=memory)
 
 
 class _Source:

@@ -17,7 +17,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum, IntEnum
 from types import MappingProxyType
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -91,22 +91,11 @@ Slots = tuple[int, ...]
 """Several slots a 1-d device value adds to, one element each (:class:`Slot` members, or a per-rank slot)."""
 
 
-class Values(NamedTuple):
-    """What one rank puts into a record: host values (one host-to-device copy) and device values (never read here):
-    a 0-dim tensor for a slot, or a 1-d one for :data:`Slots`.
-
-    ``flags`` are host-side problems; ``device_flags`` problems decided on the device (true or false; a problem given
-    twice is raised when either is). A tuple: made once or twice per window, where a frozen dataclass's ``__init__``
-    costs several times as much host time.
-    """
-
-    host: Mapping[Slot, float] = MappingProxyType({})
-    device: Sequence[tuple[Slot | Slots, Tensor]] = ()
-    flags: frozenset[Problem] = frozenset()
-    device_flags: Sequence[tuple[Problem, Tensor]] = ()
-
-
-_NO_VALUES = Values()
+NO_SLOTS: Mapping[Slot, float] = MappingProxyType({})
+Device = Sequence[tuple["Slot | Slots", Tensor]]
+"""Device values for a record (never read here): a 0-dim tensor for a slot, or a 1-d one for :data:`Slots`."""
+Flags = Sequence[tuple[Problem, Tensor]]
+"""Problems decided on the device, each true or false (a problem given twice is raised when either is)."""
 
 
 class Channel:
@@ -142,36 +131,39 @@ class Channel:
         """Where a rank's COUNT goes: its slot, and its own slot of the per-rank block where the channel has one."""
         return (Slot.COUNT, RECORD_SIZE + self.world.rank) if self.rank_counts else (Slot.COUNT,)
 
-    def record(self, kind: Kind, values: Values = _NO_VALUES) -> Tensor:
-        """This rank's record for a collective of ``kind``: one host-to-device copy of the host values, and one
-        ``index_add`` of the device values (a handful of kernels, whatever the number of values)."""
+    def record(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
+               flags: frozenset[Problem] = frozenset(), device_flags: Flags = ()) -> Tensor:
+        """This rank's record for a collective of ``kind``: ``host`` values in one host-to-device copy, ``device``
+        values in one ``index_add`` (a handful of kernels, whatever their number); ``flags``: problems found on the
+        host, ``device_flags``: problems decided on the device."""
         world = self.world
-        host = self._zeros[:]  # a C copy of the record's zeros (an array from a list costs ~20,000 instructions)
-        for slot, value in values.host.items():
-            host[slot] = value
-        host[Slot.SEQUENCE] = float(self._sequence)
-        host[Slot.SEQUENCE_SQUARED] = float(self._sequence**2)
+        values = self._zeros[:]  # a C copy of the record's zeros (an array from a list costs ~20,000 instructions)
+        for slot, value in host.items():
+            values[slot] = value
+        values[Slot.SEQUENCE] = float(self._sequence)
+        values[Slot.SEQUENCE_SQUARED] = float(self._sequence**2)
         bit = self._bit
-        marks: tuple[Mark, ...] = (kind, *values.flags)
+        marks: tuple[Mark, ...] = (kind, *flags)
         for mark in marks:
-            host[RANKS + _MARK_INDEX[mark]] = 1.0
-            host[BITS + _MARK_INDEX[mark]] = bit
+            values[RANKS + _MARK_INDEX[mark]] = 1.0
+            values[BITS + _MARK_INDEX[mark]] = bit
         if self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
-            host[RECORD_SIZE + world.rank] = host[Slot.COUNT]
-        record = _torch.to_device(host, torch.float64, world.device)
-        index, source = self._device_part(values)
+            values[RECORD_SIZE + world.rank] = values[Slot.COUNT]
+        record = _torch.to_device(values, torch.float64, world.device)
+        index, source = self._device_part(device, flags, device_flags)
         if source is not None:
             record = record.index_add(0, self._index(index), source)
         return record
 
-    def _device_part(self, values: Values) -> tuple[tuple[int, ...], Tensor | None]:
+    def _device_part(self, device: Device, flags: frozenset[Problem],
+                     device_flags: Flags) -> tuple[tuple[int, ...], Tensor | None]:
         """The record's slots the device values add to, and those values as one float64 vector: the scalars
         stacked, each vector of several slots as it is (a record of one vector and no scalar takes no kernel)."""
         scalar_slots: list[int] = []
         scalars: list[Tensor] = []
         vector_slots: list[int] = []
         vectors: list[Tensor] = []
-        for slot, value in values.device:
+        for slot, value in device:
             value = _float64(value)
             if isinstance(slot, tuple):  # a vector names its COUNT's slots itself (count_slots)
                 vector_slots += slot
@@ -183,11 +175,11 @@ class Channel:
         # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
         # decided twice on the device counts once)
         decided: dict[Problem, list[Tensor]] = {}
-        for problem, flag in values.device_flags:
-            if problem not in values.flags:
+        for problem, flag in device_flags:
+            if problem not in flags:
                 decided.setdefault(problem, []).append(flag)
-        for problem, flags in decided.items():
-            raised = _float64(flags[0] if len(flags) == 1 else torch.stack(flags).any())
+        for problem, found in decided.items():
+            raised = _float64(found[0] if len(found) == 1 else torch.stack(found).any())
             scalar_slots += [RANKS + _MARK_INDEX[problem], BITS + _MARK_INDEX[problem]]
             scalars += [raised, raised * self._bit]
         sources = ([torch.stack(scalars)] if scalars else []) + vectors
@@ -202,20 +194,23 @@ class Channel:
             index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
         return index
 
-    def start(self, kind: Kind, values: Values = _NO_VALUES) -> Exchange:
-        """Start the collective without waiting for it."""
-        return self._exchange(kind, values, _SUM)
+    def start(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
+              flags: frozenset[Problem] = frozenset(), device_flags: Flags = ()) -> Exchange:
+        """Start the collective of this rank's :meth:`record` without waiting for it."""
+        return self._exchange(kind, self.record(kind, host, device, flags, device_flags), _SUM)
 
-    def reduce(self, kind: Kind, values: Values = _NO_VALUES, op: Any = None) -> Reduced:
+    def reduce(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
+               flags: frozenset[Problem] = frozenset(), device_flags: Flags = (), op: Any = None) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
-        reduced = self._exchange(kind, values, op or dist.ReduceOp.SUM).read()
+        record = self.record(kind, host, device, flags, device_flags)
+        reduced = self._exchange(kind, record, op or dist.ReduceOp.SUM).read()
         if (op is None and self._join_backward is not None and not reduced.in_step() and kind is not Kind.WINDOW
                 and reduced.ranks_with(Kind.WINDOW)[0] > 0):
             self._join_backward()
         return reduced
 
-    def _exchange(self, kind: Kind, values: Values, op: Any) -> Exchange:
-        exchange = Exchange(kind, self.record(kind, values), self.world, op)
+    def _exchange(self, kind: Kind, record: Tensor, op: Any) -> Exchange:
+        exchange = Exchange(kind, record, self.world, op)
         self._sequence += 1
         return exchange
 
@@ -372,6 +367,7 @@ def raise_lines(lines: list[str], where: str, detail: str, rank: int) -> None:
 __all__ = [
     "MARKS",
     "NAMED_RANKS",
+    "NO_SLOTS",
     "RECORD_SIZE",
     "Channel",
     "Exchange",
@@ -379,6 +375,5 @@ __all__ = [
     "Reduced",
     "Slot",
     "Slots",
-    "Values",
     "raise_lines",
 ]

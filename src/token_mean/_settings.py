@@ -37,7 +37,7 @@ class Settings:
 
 def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any) -> Settings:
     """The settings, or a ``ValueError`` naming the argument, its value and the fix."""
-    from token_mean.counts import count_valid_labels
+    from token_mean._counts import count_valid_labels
 
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")

@@ -11,12 +11,11 @@ what each micro-batch contributed and its one exchange. Read top to bottom, a wi
     loss.backward(); micro.backward_done()                  # the front end's own backward
     ended = window.end()                                    # after the last backward: the one host read
 
-``end()`` returns :class:`Ended` (the window's :class:`~token_mean.WindowStats`, how many ranks hold more batches,
-and what the next window needs) to the pass that opened it, which applies it. Nothing here calls back into the
-pass. The modes (``_modes``) differ in when a micro-batch's count is known and in how the scale reaches the gradient;
-this module holds what they share: the micro-batch, the tally of counts and losses, and reading the exchange, which
-raises the same :class:`~token_mean.DenominatorError` on every rank if any rank had a problem. Everything per
-micro-batch stays on the device, detached, and is summed once per window.
+``end()`` returns what the window produced (:data:`Ended`) to the pass that opened it, which applies it; nothing here calls back into the
+pass. The modes (``_modes``) say when a micro-batch's count is known and how the scale reaches the gradient; this
+module holds what they share: the micro-batch, what the micro-batches contributed (detached, on the device, summed
+once per window), and the reading of the exchange, which raises the same :class:`~token_mean.DenominatorError` on
+every rank if any rank had a problem.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from __future__ import annotations
 import math
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from types import MappingProxyType
 from typing import Any, NamedTuple
 
 import torch
@@ -35,23 +33,20 @@ from token_mean import _torch
 from token_mean._layout import WindowCheck
 from token_mean._problems import Problem
 from token_mean._reader import Entry
-from token_mean._record import Channel, Exchange, Kind, Reduced, Slot, Slots, Values, raise_lines
-from token_mean.counts import device_count, first_labels
+from token_mean._record import NO_SLOTS, Channel, Device, Exchange, Flags, Kind, Reduced, Slot, raise_lines
+from token_mean._counts import device_count, first_labels
 from token_mean.results import WindowStats
 
-NO_SLOTS: Mapping[Slot, float] = MappingProxyType({})
 PassEnd = tuple[Mapping[Slot, float], Sequence[tuple[Problem, str]]]
 """What a window's record carries about its pass's end (host slots, problems), from the pass."""
-NO_END: PassEnd = (NO_SLOTS, ())
+Check = tuple[Tensor | float, Tensor | float, Tensor | None]
+"""Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
 
 _CHECK_SLOTS = {  # the slots that explain a failed check: its two sides, summed where they differ
     Problem.NUM_ITEMS_MISMATCH_COUNT_FN: (Slot.REPORTED, Slot.COUNTED),
     Problem.NUM_ITEMS_MISMATCH_DEFAULT: (Slot.REPORTED, Slot.COUNTED),
     Problem.COUNT_CHANGED: (Slot.READ, Slot.RECEIVED),
 }
-
-Check = tuple[Tensor | float, Tensor | float, Tensor | None]
-"""Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
 
 
 class StepOutput(NamedTuple):
@@ -121,13 +116,10 @@ class MicroBatch:
         self.backprop = None
 
 
-class Ended(NamedTuple):
-    """What a window's end gives the pass that opened it."""
-
-    stats: WindowStats
-    more: float  # the ranks that hold a real batch after the window (a stream's end is agreed from it)
-    unsure: bool  # some rank could not look past the window before the last backward: the pass agrees now
-    next_counts: Any = None  # lookahead: the next window's counts, which came with this window's record
+Ended = tuple[WindowStats, float, bool, Any]
+"""What a window's end gives the pass that opened it: its stats, how many ranks hold a real batch after it (a
+stream's end is agreed from it), whether some rank could not look past it before the last backward (the pass then
+agrees after it), and, in lookahead, the next window's counts, which came with this window's record."""
 
 
 class Window:
@@ -151,23 +143,26 @@ class Window:
         self.channel = channel
         self.start, self.stop, self.accumulate, self.step = start, stop, accumulate, step
         self.mean = loss_reduction == "mean"
+        self.judge_counts, self.judge_losses = judge_counts, judge_losses
         self.ended = False
         self._checks = checks
-        self._judge_counts, self._judge_losses = judge_counts, judge_losses
         self._next = start  # the position of the next micro-batch
-        self._counts: list[Tensor | float] = []  # a 0-dim device tensor, or a host float judged where it was read
-        self._losses: list[Tensor | None] = []  # detached, as the forwards returned them
-        self._aux: list[Tensor] = []
-        self._pairs: dict[Problem, list[Check]] = {}
+        self.counts: list[Tensor | float] = []  # a 0-dim device tensor, or a host float judged where it was read
+        self.losses: list[Tensor | None] = []  # detached, as the forwards returned them
+        self.aux: list[Tensor] = []
+        self.pairs: dict[Problem, list[Check]] = {}
         self._added: list[tuple[Slot, Tensor]] = []
         self._flags: set[Problem] = set()
         self.detail = ""  # what this rank saw of its first host-side problem (a note of the error)
-        self.length = 0
-        self.real = 0
+        self.real = 0  # micro-batches that are not fillers
+        self._following: Sequence[Entry] = ()  # lookahead: the next window's batches, counted in this record
+        self._pass_end: PassEnd = (NO_SLOTS, ())
         self._exchange: Exchange | None = None  # from the last forward on
         self._local: Tensor | float = 0.0  # this rank's count, read with the record
-        self._following: Sequence[Entry] = ()
-        self._pass_end = NO_END
+
+    @property
+    def length(self) -> int:
+        return len(self.counts)
 
     @property
     def flags(self) -> frozenset[Problem]:
@@ -178,8 +173,6 @@ class Window:
     def where(self) -> str:
         """The window as messages name it."""
         return f"the accumulation window of {self.step}, batches {self.start}..{self.stop - 1})"
-
-    # ---- the micro-batches ----
 
     def micro_batch(self, entry: Entry, accumulate: int) -> MicroBatch:
         """The micro-batch of ``entry`` is about to run its forward with K = ``accumulate``."""
@@ -202,12 +195,6 @@ class Window:
         and what the record carries about the pass's end."""
         self._following, self._pass_end = following, pass_end
 
-    def _pass_end_slots(self) -> Mapping[Slot, float]:
-        slots, problems = self._pass_end
-        for problem, detail in problems:
-            self.flag(problem, detail)
-        return slots
-
     def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
         """The micro-batch's forward on ``batch`` ran: the tensor to back-propagate for it (the modes')."""
         raise NotImplementedError
@@ -216,16 +203,15 @@ class Window:
         """After the window's last backward: what it produced (the modes')."""
         raise NotImplementedError
 
-    # ---- the tally ----
+    # ---- what the micro-batches contributed ----
 
     def add(self, count: Tensor | float, loss: Tensor | None, filler: bool, aux: Tensor | None = None) -> None:
         """One micro-batch: its count and its loss as its forward returned it."""
-        self.length += 1
         self.real += not filler
-        self._counts.append(count)
-        self._losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
+        self.counts.append(count)
+        self.losses.append(None if loss is None else loss.detach() if loss.requires_grad else loss)
         if aux is not None:
-            self._aux.append(aux.detach())
+            self.aux.append(aux.detach())
 
     def flag(self, problem: Problem, detail: str = "") -> None:
         """A problem found on the host; ``detail`` says what this rank saw."""
@@ -235,7 +221,7 @@ class Window:
     def check_equal(self, problem: Problem, left: Tensor | float, right: Tensor | float,
                     hint: Tensor | None = None) -> None:
         """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
-        self._pairs.setdefault(problem, []).append((left, right, hint))
+        self.pairs.setdefault(problem, []).append((left, right, hint))
 
     def add_to(self, slot: Slot, value: Tensor) -> None:
         """Add a device value to ``slot`` of the record (``NAIVE``)."""
@@ -246,11 +232,11 @@ class Window:
         """The count of the batch the forward received, a float64 device scalar (no host sync). With
         ``use_num_items`` a reported 'num_items' is the count; where both it and ``count_fn`` (``given``: the
         user's own) give one, they are checked to agree."""
-        reported = None if output.num_items is None else self._on_device(output.num_items, "'num_items'")
+        reported = None if output.num_items is None else self.on_device(output.num_items, "'num_items'")
         counted = None
         if given or output.num_items is None or not use_num_items:
             try:
-                counted = self._on_device(count_fn(batch), "`count_fn`")
+                counted = self.on_device(count_fn(batch), "`count_fn`")
             except Exception as error:  # every rank must reach the collective to learn of it
                 self.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__} on the batch"
                           f" `training_step` received: {error}")
@@ -259,7 +245,7 @@ class Window:
         chosen = reported if reported is not None and use_num_items else counted
         return chosen if chosen is not None else self.channel.zero()
 
-    def _on_device(self, value: Any, source: str) -> Tensor | None:
+    def on_device(self, value: Any, source: str) -> Tensor | None:
         count, detail = device_count(value, source, self.channel.world.device)
         if count is None:
             self.flag(Problem.COUNT_FAILED, detail)
@@ -268,70 +254,37 @@ class Window:
     # ---- the exchange ----
 
     def close(self, host: Mapping[Slot, float] = NO_SLOTS) -> None:
-        """After the window's last forward: start its exchange (``host``: host slots the mode and the pass add).
+        """After the window's last forward: start its exchange (``host``: host slots the mode adds).
 
         The record carries the window's sums and what tells a problem from them (a non-finite sum, a bad count, a
-        check that differs): a handful of kernels. Which rank had which problem is only worked out when some sum
-        says there is one (:meth:`read`); under tensor parallelism, where the replicas must share their problems
-        before the record, it is worked out at once.
+        check that differs): a handful of kernels. Which rank had which problem is only worked out when some sum says
+        there is one (:meth:`read`); under tensor parallelism, where the replicas must share their problems before
+        the record, it is worked out at once.
         """
         for check in self._checks:
             for problem, detail in check():
                 self.flag(problem, detail)
+        pass_slots, problems = self._pass_end
+        for problem, detail in problems:
+            self.flag(problem, detail)
         length = float(self.length)
-        sums = {**host, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length, Slot.REAL: float(self.real)}
-        device: list[tuple[Slot | Slots, Tensor]] = list(self._added)
-        flags: set[Problem] = self._flags
-        device_flags: list[tuple[Problem, Tensor]] = []
-        if all(type(count) is float for count in self._counts):
-            self._local = self._host_sums(sums, device)
+        sums = {**host, **pass_slots, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length,
+                Slot.REAL: float(self.real)}
+        device: list[tuple[Slot | tuple[int, ...], Tensor]] = list(self._added)
+        flags: frozenset[Problem] = frozenset(self._flags)
+        device_flags: Flags = ()
+        if all(type(count) is float for count in self.counts):
+            self._local = _host_sums(self, sums, device)
         else:
-            self._local = self._device_sums(device)
-        if self._aux:
-            device.append((Slot.AUX_SUM, torch.stack(self._aux).to(torch.float64).sum()))
-        for pairs in self._pairs.values():  # how many pairs differ (the diagnosis says by how much)
-            left, right = self._sides(pairs)
+            self._local = _device_sums(self, device)
+        if self.aux:
+            device.append((Slot.AUX_SUM, torch.stack(self.aux).to(torch.float64).sum()))
+        for pairs in self.pairs.values():  # how many pairs differ (the diagnosis says by how much)
+            left, right = _sides(self, pairs)
             device.append((Slot.DIFFERENT, (left != right).sum(dtype=torch.float64)))
         if self.channel.world.replica_group is not None:
-            device_flags, flags = self._shared_with_replicas(flags, self._device_flags()), set()
-        self._exchange = self.channel.start(Kind.WINDOW, Values(sums, device, frozenset(flags), device_flags))
-
-    def _host_sums(self, host: dict[Slot, float], device: list[tuple[Slot | Slots, Tensor]]) -> float:
-        """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
-        multiplication of the losses that have items."""
-        counts = [float(count) for count in self._counts]
-        local = math.fsum(counts)
-        host[Slot.COUNT] = local
-        kept = [(loss, count if self.mean else 1.0) for loss, count in zip(self._losses, counts, strict=True)
-                if count > 0 and loss is not None]
-        if len(kept) == 1:
-            loss, weight = kept[0]
-            device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
-        elif kept:
-            losses = torch.stack([loss for loss, _ in kept]).to(torch.float64)
-            weights = _torch.to_device([weight for _, weight in kept], torch.float64, self.channel.world.device)
-            device.append((Slot.LOSS_SUM, losses @ weights))
-        return local
-
-    def _device_sums(self, device: list[tuple[Slot | Slots, Tensor]]) -> Tensor:
-        """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an
-        empty micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum. Counts and losses go in one stack,
-        the sums come out of one reduction and go into the record as one vector."""
-        zero = self.channel.zero()
-        both = self._stack([*self._counts, *(zero if loss is None else loss for loss in self._losses)])
-        counts, losses = torch.split(both, len(self._counts))  # one view op (slicing twice takes two)
-        valid = _valid(counts)
-        has_items = valid > 0
-        terms = torch.where(has_items, losses, zero) * (valid if self.mean else has_items)
-        if not self._judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
-            terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
-        count_slots = self.channel.count_slots
-        rows, slots = [valid] * len(count_slots) + [terms], (*count_slots, Slot.LOSS_SUM)
-        if self._judge_counts:  # NaN != NaN
-            rows, slots = [*rows, valid != counts], (*slots, Slot.BAD_COUNTS)
-        sums = torch.stack(rows).sum(dim=1)
-        device.append((slots, sums))
-        return sums  # this rank's count first
+            device_flags, flags = _shared_with_replicas(self, flags, _device_flags(self)), frozenset()
+        self._exchange = self.channel.start(Kind.WINDOW, sums, device, flags, device_flags)
 
     def global_count(self) -> Tensor:
         """N on the device, waiting for the exchange on the device only (no host read)."""
@@ -349,13 +302,13 @@ class Window:
             local = reduced.local[0]
         else:
             reduced = exchange.read()
-        healthy = self._healthy(reduced)
+        healthy = _healthy(self, reduced)
         if not (healthy and reduced.clean()):  # the common case, told from a few slots
             if not healthy and reduced.in_step():
                 length = float(self.length)
-                values = Values({Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length}, self._check_slots(),
-                                frozenset(self._flags), self._device_flags())
-                self.channel.reduce(Kind.DIAGNOSIS, values).check(self.where, self.detail)
+                diagnosis = self.channel.reduce(Kind.DIAGNOSIS, {Slot.LENGTH: length, Slot.LENGTH_SQUARED: length**2},
+                                                _check_slots(self), frozenset(self._flags), _device_flags(self))
+                diagnosis.check(self.where, self.detail)
             reduced.check(self.where, self.detail)
         self.ended = True
         return reduced, float(local)
@@ -371,94 +324,138 @@ class Window:
                            loss=None if global_count == 0 else reduced[Slot.LOSS_SUM] / global_count,
                            skipped=global_count == 0, mode=self.mode, aux_loss=aux)
 
-    # ---- what tells the problems apart ----
 
-    def _healthy(self, reduced: Reduced) -> bool:
-        """Whether the summed record shows no problem of the device values: then no rank had one."""
-        values = reduced.values
-        counted = math.isfinite(values[Slot.COUNT]) and values[Slot.BAD_COUNTS] == 0
-        losses = not self._judge_losses or math.isfinite(values[Slot.LOSS_SUM])
-        return counted and losses and math.isfinite(values[Slot.AUX_SUM]) and values[Slot.DIFFERENT] == 0
-
-    def _stack(self, values: Sequence[Tensor | float]) -> Tensor:
-        """float64 on the device: host floats in one copy, device values stacked. A host float among device values
-        is filled in on the device (a kernel argument): a copy from pageable host memory would wait for the
-        device's queue inside the window on CUDA."""
-        device = self.channel.world.device
-        if all(type(value) is float for value in values):
-            return _torch.to_device(values, torch.float64, device)  # type: ignore[arg-type]
-        stacked = torch.stack([value.to(device) if isinstance(value, Tensor)
-                               else torch.full((), value, dtype=torch.float64, device=device) for value in values])
-        return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
-
-    def _sides(self, pairs: list[Check]) -> tuple[Tensor, Tensor]:
-        return self._stack([left for left, _, _ in pairs]), self._stack([right for _, right, _ in pairs])
-
-    def _device_flags(self) -> list[tuple[Problem, Tensor]]:
-        """Which problems of its device values this rank had, worked out on the device."""
-        counts = self._stack(self._counts)
-        valid = _valid(counts)
-        flags: list[tuple[Problem, Tensor]] = []
-        if self._judge_counts:
-            flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
-        if self._judge_losses:
-            zero = self.channel.zero()
-            losses = torch.stack([zero if loss is None else loss for loss in self._losses]).to(torch.float64)
-            bad_values = _nonfinite(losses * (valid if self.mean else (valid > 0).to(torch.float64))) & (valid > 0)
-            bad_loss = _nonfinite(losses)
-            # a finite loss times a huge count: the count's fault, not the model's
-            flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
-                      (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
-        if self._aux:
-            flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(self._aux).to(torch.float64)).any()))
-        for problem, pairs in self._pairs.items():
-            left, right = self._sides(pairs)
-            flags.append((problem, (left != right).any()))
-        return flags
-
-    def _check_slots(self) -> list[tuple[Slot | Slots, Tensor]]:
-        """The two sides of each failed check, summed over the micro-batches where they differ (and the first labels
-        there, a hint for 'num_items')."""
-        slots: list[tuple[Slot | Slots, Tensor]] = []
-        for problem, pairs in self._pairs.items():
-            left, right = self._sides(pairs)
-            differ = left != right
-            slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
-                                                                           strict=True)]
-            hints = [hint for _, _, hint in pairs]
-            if any(hint is not None for hint in hints):
-                zero = self.channel.zero()
-                first = torch.stack([zero if h is None else h.to(zero.device, torch.float64) for h in hints])
-                slots.append((Slot.FIRST, (first * differ).sum()))
-        return slots
-
-    def _shared_with_replicas(self, flags: set[Problem],
-                              device_flags: list[tuple[Problem, Tensor]]) -> list[tuple[Problem, Tensor]]:
-        """The ranks holding this rank's batches (a tensor-parallel group) count alike, and share their problems.
-
-        One MAX all-reduce of 2 × (micro-batches) + (problems) float64 over the replica group. Exact for any float
-        count: the group agrees exactly when max(n) = -max(-n) for every micro-batch. A problem of any rank of the
-        group becomes a problem of each (the window's record only sums over the data-parallel ranks), so every rank
-        of the mesh raises, and none is left in a collective with a peer that raised.
-        """
-        device = self.channel.world.device
-        counts = _valid(self._stack(self._counts))
-        problems = list(Problem)
-        index = {problem: position for position, problem in enumerate(problems)}
-        raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, device)
-        if device_flags:
-            where = _torch.to_device([index[problem] for problem, _ in device_flags], torch.int64, device)
-            found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
-            raised = raised.index_add(0, where, found)
-        both = torch.cat([counts, -counts, raised])
-        dist.all_reduce(both, op=dist.ReduceOp.MAX, group=self.channel.world.replica_group)
-        size = counts.numel()
-        shared = both[2 * size :].clamp(max=1.0)
-        differ = (both[:size] != -both[size : 2 * size]).any()
-        return [*((problem, shared[index[problem]]) for problem in problems), (Problem.REPLICA_COUNTS_DIFFER, differ)]
-
+# ---- the window's sums, and what tells its problems apart ----
 
 _COUNT = int(Slot.COUNT)  # a plain int indexes a tensor faster than the enum member
+
+
+def _host_sums(window: Window, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
+    """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
+    multiplication of the losses that have items."""
+    counts = [float(count) for count in window.counts]
+    local = math.fsum(counts)
+    host[Slot.COUNT] = local
+    kept = [(loss, count if window.mean else 1.0) for loss, count in zip(window.losses, counts, strict=True)
+            if count > 0 and loss is not None]
+    if len(kept) == 1:
+        loss, weight = kept[0]
+        device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
+    elif kept:
+        losses = torch.stack([loss for loss, _ in kept]).to(torch.float64)
+        weights = _torch.to_device([weight for _, weight in kept], torch.float64, window.channel.world.device)
+        device.append((Slot.LOSS_SUM, losses @ weights))
+    return local
+
+
+def _device_sums(window: Window, device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> Tensor:
+    """Counts on the device: a bad count (negative, NaN, infinite) counts nothing but shows in BAD_COUNTS; an empty
+    micro-batch's mean loss (0/0 = NaN) adds nothing to the loss sum. Counts and losses go in one stack, the sums
+    come out of one reduction and go into the record as one vector (this rank's count first)."""
+    zero = window.channel.zero()
+    both = _stack(window, [*window.counts, *(zero if loss is None else loss for loss in window.losses)])
+    counts, losses = torch.split(both, window.length)  # one view op (slicing twice takes two)
+    valid = _valid(counts)
+    has_items = valid > 0
+    terms = torch.where(has_items, losses, zero) * (valid if window.mean else has_items)
+    if not window.judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
+        terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
+    count_slots = window.channel.count_slots
+    rows, slots = [valid] * len(count_slots) + [terms], (*count_slots, Slot.LOSS_SUM)
+    if window.judge_counts:  # NaN != NaN
+        rows, slots = [*rows, valid != counts], (*slots, Slot.BAD_COUNTS)
+    sums = torch.stack(rows).sum(dim=1)
+    device.append((slots, sums))
+    return sums
+
+
+def _healthy(window: Window, reduced: Reduced) -> bool:
+    """Whether the summed record shows no problem of the device values: then no rank had one."""
+    values = reduced.values
+    counted = math.isfinite(values[Slot.COUNT]) and values[Slot.BAD_COUNTS] == 0
+    losses = not window.judge_losses or math.isfinite(values[Slot.LOSS_SUM])
+    return counted and losses and math.isfinite(values[Slot.AUX_SUM]) and values[Slot.DIFFERENT] == 0
+
+
+def _stack(window: Window, values: Sequence[Tensor | float]) -> Tensor:
+    """float64 on the device: host floats in one copy, device values stacked. A host float among device values is
+    filled in on the device (a kernel argument): a copy from pageable host memory would wait for the device's queue
+    inside the window on CUDA."""
+    device = window.channel.world.device
+    if all(type(value) is float for value in values):
+        return _torch.to_device(values, torch.float64, device)  # type: ignore[arg-type]
+    stacked = torch.stack([value.to(device) if isinstance(value, Tensor)
+                           else torch.full((), value, dtype=torch.float64, device=device) for value in values])
+    return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
+
+
+def _sides(window: Window, pairs: list[Check]) -> tuple[Tensor, Tensor]:
+    return _stack(window, [left for left, _, _ in pairs]), _stack(window, [right for _, right, _ in pairs])
+
+
+def _device_flags(window: Window) -> list[tuple[Problem, Tensor]]:
+    """Which problems of its device values this rank had, worked out on the device."""
+    counts = _stack(window, window.counts)
+    valid = _valid(counts)
+    flags: list[tuple[Problem, Tensor]] = []
+    if window.judge_counts:
+        flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
+    if window.judge_losses:
+        zero = window.channel.zero()
+        losses = torch.stack([zero if loss is None else loss for loss in window.losses]).to(torch.float64)
+        bad_values = _nonfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
+        bad_loss = _nonfinite(losses)
+        # a finite loss times a huge count: the count's fault, not the model's
+        flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
+                  (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
+    if window.aux:
+        flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(window.aux).to(torch.float64)).any()))
+    for problem, pairs in window.pairs.items():
+        left, right = _sides(window, pairs)
+        flags.append((problem, (left != right).any()))
+    return flags
+
+
+def _check_slots(window: Window) -> Device:
+    """The two sides of each failed check, summed over the micro-batches where they differ (and the first labels
+    there, a hint for 'num_items')."""
+    slots: list[tuple[Slot | tuple[int, ...], Tensor]] = []
+    for problem, pairs in window.pairs.items():
+        left, right = _sides(window, pairs)
+        differ = left != right
+        slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
+                                                                       strict=True)]
+        hints = [hint for _, _, hint in pairs]
+        if any(hint is not None for hint in hints):
+            zero = window.channel.zero()
+            first = torch.stack([zero if h is None else h.to(zero.device, torch.float64) for h in hints])
+            slots.append((Slot.FIRST, (first * differ).sum()))
+    return slots
+
+
+def _shared_with_replicas(window: Window, flags: frozenset[Problem], device_flags: Flags) -> Flags:
+    """The ranks holding this rank's batches (a tensor-parallel group) count alike, and share their problems.
+
+    One MAX all-reduce of 2 × (micro-batches) + (problems) float64 over the replica group. Exact for any float count:
+    the group agrees exactly when max(n) = -max(-n) for every micro-batch. A problem of any rank of the group becomes
+    a problem of each (the window's record only sums over the data-parallel ranks), so every rank of the mesh raises,
+    and none is left in a collective with a peer that raised.
+    """
+    device = window.channel.world.device
+    counts = _valid(_stack(window, window.counts))
+    problems = list(Problem)
+    index = {problem: position for position, problem in enumerate(problems)}
+    raised = _torch.to_device([float(problem in flags) for problem in problems], torch.float64, device)
+    if device_flags:
+        where = _torch.to_device([index[problem] for problem, _ in device_flags], torch.int64, device)
+        found = torch.stack([condition.to(torch.float64) for _, condition in device_flags])
+        raised = raised.index_add(0, where, found)
+    both = torch.cat([counts, -counts, raised])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=window.channel.world.replica_group)
+    size = counts.numel()
+    shared = both[2 * size :].clamp(max=1.0)
+    differ = (both[:size] != -both[size : 2 * size]).any()
+    return [*((problem, shared[index[problem]]) for problem in problems), (Problem.REPLICA_COUNTS_DIFFER, differ)]
 
 
 def _valid(counts: Tensor) -> Tensor:
@@ -470,6 +467,9 @@ def _nonfinite(values: Tensor) -> Tensor:
     """NaN or ±inf, elementwise, in two kernels (``~isfinite`` takes five on the CPU): x - x is 0 exactly for every
     finite x, and NaN for NaN and ±inf."""
     return (values - values).ne(0)
+
+
+# ---- messages and helpers the modes and the pass share ----
 
 
 def mismatch(count_fn_given: bool) -> Problem:
@@ -516,7 +516,6 @@ def k_changed(old: int, new: int, position: int, where: str) -> str:
 
 
 __all__ = [
-    "NO_END",
     "Ended",
     "MicroBatch",
     "PassEnd",

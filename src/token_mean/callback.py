@@ -2,14 +2,16 @@
 
 The callback wires Lightning's hooks to what both monitors share (``_monitor.Monitoring``). Each window's numbers
 are a token-mean strategy's ``last_window`` (P more floats in its record, no collective of the monitor's own), or,
-under any other strategy, the monitor's own measurement of the window (``_modes.Measured``: one all-reduce per
-window, and a bad count raises the same :class:`~token_mean.DenominatorError` on every rank).
+under any other strategy, the monitor's own measurement of the window (a ``_window.Window`` fed by
+:func:`_measure`: one all-reduce per window, and a bad count raises the same :class:`~token_mean.DenominatorError` on
+every rank).
 """
 
 from __future__ import annotations
 
 import math
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import torch
@@ -25,10 +27,11 @@ from token_mean._audit import Objective, Recorded
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._layout import shared_world
-from token_mean._modes import Measured
 from token_mean._monitor import Monitoring, audited, loss_and_aux, replayed
-from token_mean._record import Channel
-from token_mean.counts import count_valid_labels
+from token_mean._problems import Problem
+from token_mean._record import Channel, Slot
+from token_mean._window import Window
+from token_mean._counts import count_valid_labels
 from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
@@ -81,7 +84,7 @@ class DenominatorMonitor(Monitoring, Callback):
     _reduction = "mean"
     _strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged, from `setup`
     _channel: Channel | None = None  # the measurement's, under any other strategy, from `on_train_start`
-    _measured: Measured | None = None  # the window being measured
+    _measured: Window | None = None  # the window being measured
     _published: WindowStats | None = None  # the strategy's last window already logged
     _warned = False
     _started_at = 0.0
@@ -95,18 +98,17 @@ class DenominatorMonitor(Monitoring, Callback):
             return
         strategy = trainer.strategy
         self._strategy = strategy if isinstance(strategy, TokenMeanStrategy) else None
-        settings = self._settings
         if self._strategy is not None:
             self._strategy.track_rank_counts()  # the per-rank figures need every rank's count
-            if settings.count_fn is not None and settings.count_fn is not self._strategy.count_fn:
+            if self.count_fn is not None and self.count_fn is not self._strategy.count_fn:
                 rank_zero_warn(
                     "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
                     f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy."
                 )
             self._count_fn, self._reduction = self._strategy.count_fn, self._strategy.loss_reduction
         else:
-            self._count_fn, self._reduction = settings.count_fn or count_valid_labels, "mean"
-        self._reduction = settings.loss_reduction or self._reduction
+            self._count_fn, self._reduction = self.count_fn or count_valid_labels, "mean"
+        self._reduction = self.loss_reduction or self._reduction
         self._read_reference()
         if self._auditor.enabled and not pl_module.automatic_optimization:
             raise ValueError(
@@ -126,7 +128,7 @@ class DenominatorMonitor(Monitoring, Callback):
                 destroy_process_group_at_exit()  # the measurement's collectives run on a group a plain strategy keeps
             self._channel = Channel(world, rank_counts=True)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        loss = _training_step_loss if self._settings.audit_loss is None else replayed(self._settings.audit_loss)
+        loss = _training_step_loss if self.audit_loss is None else replayed(self.audit_loss)
         objective = Objective(loss, self._count_fn, self._reduction, aux,
                               trainer.strategy.precision_plugin.train_step_context)
         self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
@@ -166,13 +168,13 @@ class DenominatorMonitor(Monitoring, Callback):
                            batch_idx: int) -> None:
         if self._count_fn is None:  # not fitting
             return
-        if self._strategy is None:
-            if self._measured is None:
-                self._measured = Measured(self._channel, batch_idx, self._step, self._count_fn,  # type: ignore[arg-type]
-                                          self._reduction)
+        if self._strategy is None and self._channel is not None:
+            if self._measured is None:  # an observer: a NaN loss is the strategy's to judge, not the measurement's
+                self._measured = Window(self._channel, batch_idx, batch_idx, 1, f"optimizer step {self._step}"
+                                        " (measured by DenominatorMonitor", self._reduction, judge_losses=False)
             # Lightning divided the closure loss by K under automatic optimization
-            self._measured.add_batch(batch, outputs, trainer.accumulate_grad_batches
-                                     if pl_module.automatic_optimization else 1)
+            _measure(self._measured, batch, outputs, self._count_fn,
+                     trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
         self._length += 1
         if not _lightning.steps_after_this_batch(trainer):
             return  # still accumulating
@@ -198,8 +200,12 @@ class DenominatorMonitor(Monitoring, Callback):
         """The window that just ended: the strategy's (None, with a warning once, if it published none), or the
         measured one with plain DDP's own loss."""
         if self._strategy is None:
-            measured, self._measured = self._measured, None
-            return (None, None) if measured is None else measured.finish()
+            window, self._measured = self._measured, None
+            if window is None:
+                return None, None
+            window.close()
+            reduced, local = window.read()
+            return window.stats(reduced, local, reduced[Slot.COUNT]), reduced[Slot.NAIVE] / window.channel.world.size
         stats = self._strategy.last_window
         if stats is not None and stats is not self._published:
             self._published = stats
@@ -217,6 +223,24 @@ class DenominatorMonitor(Monitoring, Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.close()
+
+
+def _measure(window: Window, batch: Any, outputs: Any, count_fn: Any, accumulate: int) -> None:
+    """One micro-batch of a window the strategy does not normalize: counted as received, its loss undone from the
+    loop's division by ``accumulate``, plain DDP's own loss in the ``NAIVE`` slot."""
+    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
+    window.stop += 1
+    if not isinstance(loss, Tensor):  # a skipped micro-batch: no gradient, so no items either
+        window.add(window.channel.zero(), None, filler=True)
+        return
+    try:
+        count = window.on_device(count_fn(batch), "`count_fn`")
+    except Exception as error:  # every rank must reach the window's collective to learn of it
+        count = None
+        window.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
+    naive = loss.detach().reshape(()).to(device=window.channel.world.device, dtype=torch.float64)
+    window.add_to(Slot.NAIVE, naive)
+    window.add(window.channel.zero() if count is None else count, naive * accumulate, filler=False)
 
 
 def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:

@@ -19,20 +19,9 @@ in five lines:
                 optimizer.step()
             optimizer.zero_grad()
 
-Or in torchtitan's shape, one window at a time, over the very same pass (the same batches, checks and errors; each
-window's iteration ends with its last batch, and ``window.finish()`` is ``accumulator.finish()``):
-
-.. code-block:: python
-
-    for window in accumulator.windows(train_dataloader):      # K batches each (a sized pass's last may be short)
-        for batch in window:
-            with fabric.no_backward_sync(model, enabled=window.accumulating):
-                logits = model(batch["input_ids"])
-                accumulator.backward(chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:]))
-        stats = window.finish()
-        if not stats.skipped:
-            optimizer.step()
-        optimizer.zero_grad()
+Or one window at a time, in torchtitan's shape, over the very same pass: ``for window in
+accumulator.windows(loader): for batch in window: ...``, then ``window.finish()`` (see :meth:`~TokenMeanAccumulator.
+windows`).
 
 Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
 (FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh). FSDP1 (``FSDPStrategy``)
@@ -45,7 +34,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
 from torch import Tensor
@@ -67,20 +56,16 @@ from token_mean.results import WindowStats
 class TokenMeanAccumulator:
     r"""Accumulate K micro-batches per rank into one exact token-mean gradient, in a Lightning Fabric loop.
 
-    Each window of K micro-batches per rank (the last window of a pass may be short) is normalized by its own N, the
-    valid items over all ranks and micro-batches of the window, exactly as the Trainer strategies do: the same modes,
-    counts, checks and errors (see :class:`~token_mean.TokenMeanDDPStrategy`), one collective per window and no host
-    read between the window's first forward and its last backward. Every rank yields as many batches: a rank whose
-    loader runs out repeats its last batch at weight zero (:attr:`is_filler_batch`). Strategies: see the module
-    docstring.
+    Each window of K micro-batches per rank (a pass's last may be short) is normalized by its own N, as the Trainer
+    strategies do: the same modes, counts, checks and errors, one collective per window and no host read between its
+    first forward and its last backward. Every rank yields as many batches: a rank whose loader runs out repeats its
+    last batch at weight zero (:attr:`is_filler_batch`).
 
     Args:
-        fabric: the launched ``Fabric``.
-        model: what ``fabric.setup`` (or ``setup_module``) returned.
+        fabric, model: the launched ``Fabric``, and what its ``setup`` (or ``setup_module``) returned.
         accumulate: K, the micro-batches per rank and window.
-        count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`;
-            ``loss_reduction`` describes the loss passed to :meth:`backward`.
-        monitor: a :class:`FabricMonitor` that logs every window (``fabric.log_dict``) and writes or compares a trace.
+        count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`.
+        monitor: a :class:`FabricMonitor` that logs every window and writes or compares a trace.
 
     Raises:
         ValueError: for a bad setting, a model that ``fabric.setup`` did not return, or an unsupported strategy.
@@ -118,7 +103,6 @@ class TokenMeanAccumulator:
         self._progress = Progress(self._layout.world.size)
         self._micro: MicroBatch | None = None  # the micro-batch the loop is training, from its yield to the next
         self._batch: Any = None  # the batch the loop got for it
-        self._finished = False  # its window was finished (`finish()`)
         self._iterating: str | None = None  # "batches" or "windows": the method that made the pass in progress
         self._last_window: WindowStats | None = None
 
@@ -129,8 +113,7 @@ class TokenMeanAccumulator:
 
     @property
     def is_filler_batch(self) -> bool:
-        """True from the yield of a zero-weight repeat of an exhausted rank to its :meth:`backward` (the Trainer
-        strategies' ``is_filler_batch``, ``token_mean.in_filler_batch()``); False for any other batch."""
+        """True from the yield of a zero-weight repeat of an exhausted rank to its :meth:`backward`."""
         return self._micro is not None and self._micro.is_filler
 
     is_filler = is_filler_batch  # the name of the first release
@@ -147,75 +130,41 @@ class TokenMeanAccumulator:
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
-        rank yields as many batches. A sized iterable costs one collective at the pass's start (the ranks agree on its
-        length); a stream's end is agreed window by window."""
+        rank yields as many batches (one collective at the start agrees on the length)."""
         return self._start(iterable, "batches")
 
     def windows(self, iterable: Iterable[Any]) -> Iterator[BatchWindow]:
-        """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape): each window
-        yields its batches (K, or fewer in a sized pass's last window), then ``window.finish()``.
-
-        Example:
-            >>> import torch
-            >>> from lightning.fabric import Fabric
-            >>> model = (fabric := Fabric(accelerator="cpu", devices=1)).setup(torch.nn.Linear(4, 3))
-            >>> accumulator = TokenMeanAccumulator(fabric, model, accumulate=2)
-            >>> batches = [{"x": torch.randn(2, 4), "labels": torch.tensor([0, -100])} for _ in range(3)]
-            >>> for window in accumulator.windows(batches):
-            ...     for batch in window:
-            ...         loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], ignore_index=-100)
-            ...         accumulator.backward(loss)
-            ...     print(window.finish().window_length)  # K = 2, then the short last window
-            2
-            1
-        """
-        batches = self._start(iterable, "windows")
-        with contextlib.closing(batches):  # leaving the windows leaves the pass: it records where
-            for first in batches:
-                yield BatchWindow(self, first, batches)
-                self._window_left()  # before the pass reads on (its own checks follow)
+        """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape): ``for window in
+        accumulator.windows(loader): for batch in window: ...``, then ``window.finish()``."""
+        return _windows(self, self._start(iterable, "windows"))
 
     def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
                  **kwargs: Any) -> None:
-        """Back-propagate the micro-batch's ``loss`` (its mean over its valid items, or their sum), scaled for the
-        window's exact token mean, through ``fabric.backward`` (``args`` and ``kwargs`` go there too).
-
-        ``aux_loss``: an auxiliary term averaged over the window's real micro-batches on all ranks (lookahead only);
-        ``num_items``: this micro-batch's count as the model computed it (checked against ``count_fn``; deferred
-        mode normalizes by it).
-        """
+        """``fabric.backward`` of the micro-batch's ``loss`` (its mean over its valid items, or their sum) scaled for
+        the window's token mean; ``aux_loss``: a term averaged over the window's real micro-batches (lookahead);
+        ``num_items``: the micro-batch's count as the model computed it (checked; deferred mode normalizes by it)."""
         micro = self._in_flight("`accumulator.backward(loss)`")
         if micro.backward_ran:
             raise RuntimeError(f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
                                " would count twice. Call it once per batch.")
-        flags = self._layout.sync_flags()  # the model reduces the gradient in the window's last backward only
-        if flags and set(flags) != {micro.last}:
-            wrong = "would not reduce the window's gradient" if micro.last else "would reduce it mid-window"
-            raise RuntimeError(
-                f"The gradient sync of batch {micro.position} disagrees with the window: its backward {wrong}. Wrap"
-                " each micro-batch's forward and backward in `with fabric.no_backward_sync(model,"
-                " enabled=accumulator.accumulating):`."
-            )
+        _check_sync(self._layout.sync_flags(), micro)
         scaled = micro.loss_to_backprop(StepOutput(loss, aux_loss, num_items, loss), self._batch)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         micro.backward_done()
 
     def finish(self) -> WindowStats:
-        """After the window's last backward: its stats (the window's one host read). The gradient is then the
-        window's exact token mean; every rank raises the same :class:`~token_mean.DenominatorError` here if any rank
-        had a problem. A window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
+        """After the window's last backward: its stats (its one host read; the same
+        :class:`~token_mean.DenominatorError` on every rank if any had a problem). The gradient is then the window's
+        token mean; a window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
         micro = self._in_flight("`accumulator.finish()`")
-        if not micro.last or not micro.backward_ran or self._finished:
-            state = "is called twice" if self._finished else "comes before the window's last backward"
-            raise RuntimeError(
-                f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window, after"
-                " `accumulator.backward(loss)` of the batch where `accumulator.accumulating` is False."
-            )
+        if not micro.last or not micro.backward_ran or micro.window.ended:
+            state = "is called twice" if micro.window.ended else "comes before the window's last backward"
+            raise RuntimeError(f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window,"
+                               " after `accumulator.backward(loss)` of the batch where `accumulating` is False.")
         epoch = self._passes.current
         if epoch is None:
             raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
         stats = epoch.end_window()
-        self._finished = True
         self._progress.windows += 1
         if self._monitor is not None:
             stats = self._monitor.finished(self._model, stats)
@@ -223,26 +172,19 @@ class TokenMeanAccumulator:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """What resuming at a window boundary needs (identical on every rank): save it with the model and optimizer.
-
-        Raises:
-            RuntimeError: in the middle of a window (Fabric saves no partial gradient): save after ``finish()``.
-        """
+        """What resuming at a window boundary needs (the same on every rank): save it with the model and optimizer,
+        after ``finish()`` (a ``RuntimeError`` inside a window: no partial gradient is saved)."""
         micro = self._micro
-        if micro is not None and not self._finished:
+        if micro is not None and not micro.window.ended:
             raise RuntimeError("`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
                                " saved. Save after `accumulator.finish()` and the optimizer step.")
         in_flight = None if micro is None else micro.position + 1
         return {"mode": self._passes.mode.state_dict(), **self._progress.state_dict(in_flight)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next ``batches(...)`` skips the batches the saved pass had trained (the loader must yield
-        them in the same order; a loader from ``fabric.setup_dataloaders`` gets its saved pass counter back, the
-        epoch its sampler orders by).
-
-        Raises:
-            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
-        """
+        """Resume: the next ``batches(...)`` skips the batches the saved pass trained (in the same order; a loader from
+        ``fabric.setup_dataloaders`` gets its pass counter back). A ``ValueError`` for a checkpoint written in the
+        middle of a pass by another number of processes."""
         self._progress.load_state_dict(state)
         self._passes.mode.load_state_dict(state["mode"])
         if self._monitor is not None:
@@ -256,13 +198,15 @@ class TokenMeanAccumulator:
         return self._micro
 
     def _start(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
-        if self._iterating is not None:
-            raise RuntimeError(f"`accumulator.{self._iterating}(...)` is already being iterated: one pass at a time.")
+        self._one_pass_at_a_time()
         return self._pass(iterable, name)
 
-    def _pass(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
-        if self._iterating is not None:  # two passes made before either started (`zip`)
+    def _one_pass_at_a_time(self) -> None:
+        if self._iterating is not None:
             raise RuntimeError(f"`accumulator.{self._iterating}(...)` is already being iterated: one pass at a time.")
+
+    def _pass(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
+        self._one_pass_at_a_time()  # two passes made before either started (`zip`)
         self._iterating, completed = name, False
         try:
             epoch, move, start = self._begin(iterable)
@@ -274,36 +218,25 @@ class TokenMeanAccumulator:
                     completed = True
                     break
                 self._micro = epoch.micro_batch(position, self._accumulate, lambda: self._progress.windows)
-                self._batch, self._finished = move(item[0]), False
+                self._batch = move(item[0])
                 if self._monitor is not None:
                     self._monitor.micro_batch(self._model, self._batch, self._micro.filler)
                 yield self._batch
         finally:
             self._iterating = None
-            self._progress.left(*self._where_left(completed))
+            self._progress.left(*_where_left(self._micro, completed, self._accumulate, self._model))
             self._micro = self._batch = None
             if self._monitor is not None:
                 self._monitor.stepped(self._model)
 
     def _begin(self, iterable: Iterable[Any]) -> tuple[Epoch, Callable[[Any], Any], int]:
-        """A pass starts: its epoch, what moves a batch to the device, and its first position (where a checkpoint
-        stopped). The ranks agree on the pass's length first (one collective; a stream's end is agreed window by
-        window). Lookahead reads a window ahead: from a Fabric loader that moves batches to the device, it reads the
-        host batches beneath it, counts them there (a count of a device batch would be a host read inside the
-        window), and moves each batch as the loop takes it, as the loader would."""
+        """A pass starts: its epoch, what moves a batch to the device, its first position (a checkpoint's)."""
         start, loader_epoch = self._progress.start_pass()
         local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
         self._passes.agree(local, local)
         self._progress.reading(_lightning.fabric_loader_pass(iterable, loader_epoch))
-        move: Callable[[Any], Any] = _unchanged
-        host = _lightning.fabric_host_batches(iterable) if self._passes.mode.reads_ahead else None
-        if host is not None:
-            iterable, move = host
-        last, following = _skip(iter(iterable), start)
-        reader = Reader(lambda: (next(following),), None, lambda: start, skipped=True)
-        if last is not None:  # this rank had run out: its last batch is repeated at weight zero
-            reader.adopt([(last,)])
-        self._passes.resume(last is not None)
+        reader, move, exhausted = _reader(iterable, start, self._passes.mode.reads_ahead)
+        self._passes.resume(exhausted)
         _refuse_partial_gradient(self._progress.take_abandoned(), self._model)
         epoch = self._passes.begin(reader, self._progress.passes)
         if self._monitor is not None:
@@ -311,45 +244,16 @@ class TokenMeanAccumulator:
         return epoch, move, start
 
     def _previous_batch_done(self) -> None:
-        """The loop asks for the next batch: the one before must have run its backward (and finished its window)."""
+        """The loop asks for the next batch: the one before ran its backward (and finished its window)."""
         micro = self._micro
-        if micro is None:
-            return
-        if not micro.backward_ran:
-            raise RuntimeError(
-                f"`accumulator.backward(loss)` was not called for batch {micro.position}: every batch the accumulator"
-                " yields must run its backward (a filler's too), or the ranks fall out of step."
-            )
-        if micro.last and not self._finished:
-            raise RuntimeError(
-                f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
-                f" {micro.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
-            )
-        if micro.last and self._monitor is not None:
-            self._monitor.stepped(self._model)
+        if micro is not None:
+            _check_done(micro)
+            if micro.last and self._monitor is not None:
+                self._monitor.stepped(self._model)
 
     def _window_left(self) -> None:
-        """A window of ``windows(...)`` is finished or left: it yielded its last batch (a break out of ``for batch
-        in window:`` would leave the rest of its batches to the next window)."""
-        if self._micro is not None and not self._micro.last:
-            raise RuntimeError(
-                f"A window of `accumulator.windows(...)` was finished or left at batch {self._micro.position}, before"
-                " its last micro-batch: iterate each window to its end (`for batch in window:` without `break`), then"
-                " call `window.finish()`."
-            )
-
-    def _where_left(self, completed: bool) -> tuple[int | None, int | None, Gradients | None]:
-        """How the pass ended (``Progress.left``): its loader ran out, or the loop left it at a window boundary (the
-        position to resume at) or inside a window (there, with the partial gradient the parameters hold)."""
-        micro = self._micro
-        if micro is None or completed:
-            return None, None, None
-        if self._finished:
-            return micro.position + 1, None, None
-        if not micro.backward_ran and micro.position % self._accumulate == 0:  # windows are K apart from the start
-            return micro.position, None, None
-        gradients = [grad for p in self._model.parameters() if (grad := p.grad) is not None]
-        return None, micro.position, [(weakref.ref(grad), _torch.version(grad)) for grad in gradients]
+        if self._micro is not None:
+            _check_window_left(self._micro)
 
 
 class BatchWindow:
@@ -393,6 +297,50 @@ class BatchWindow:
                 return
 
 
+def _windows(accumulator: TokenMeanAccumulator, batches: Generator[Any, None, None]) -> Iterator[BatchWindow]:
+    """The pass ``batches`` cut into windows: a window's first batch is read when the loop asks for the window."""
+    with contextlib.closing(batches):  # leaving the windows leaves the pass: it records where
+        for first in batches:
+            yield BatchWindow(accumulator, first, batches)
+            accumulator._window_left()  # before the pass reads on (its own checks follow)
+
+
+def _check_done(micro: MicroBatch) -> None:
+    """The loop asks for the batch after ``micro``, which must have run its backward (and finished its window)."""
+    if not micro.backward_ran:
+        raise RuntimeError(
+            f"`accumulator.backward(loss)` was not called for batch {micro.position}: every batch the accumulator"
+            " yields must run its backward (a filler's too), or the ranks fall out of step."
+        )
+    if micro.last and not micro.window.ended:
+        raise RuntimeError(
+            f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
+            f" {micro.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
+        )
+
+
+def _check_window_left(micro: MicroBatch) -> None:
+    """A window of ``windows(...)`` is finished or left, at ``micro``: only after its last batch."""
+    if not micro.last:
+        raise RuntimeError(
+            f"A window of `accumulator.windows(...)` was finished or left at batch {micro.position}, before its last"
+            " micro-batch: iterate each window to its end (`for batch in window:` without `break`), then call"
+            " `window.finish()`."
+        )
+
+
+def _check_sync(flags: Sequence[bool], micro: MicroBatch) -> None:
+    """The model reduces the gradient in the window's last backward, and only there (the host-side flags the next
+    backward will use)."""
+    if flags and set(flags) != {micro.last}:
+        wrong = "would not reduce the window's gradient" if micro.last else "would reduce it mid-window"
+        raise RuntimeError(
+            f"The gradient sync of batch {micro.position} disagrees with the window: its backward {wrong}. Wrap each"
+            " micro-batch's forward and backward in `with fabric.no_backward_sync(model,"
+            " enabled=accumulator.accumulating):`."
+        )
+
+
 def _fabric_layout(fabric: Any, model: Any) -> Layout:
     """The modes' view of Fabric's strategy and the model ``fabric.setup`` returned, or a ``ValueError``."""
     from lightning.fabric.strategies.ddp import DDPStrategy
@@ -425,6 +373,36 @@ def _fabric_layout(fabric: Any, model: Any) -> Layout:
 
 Gradients = list[tuple["weakref.ref[Tensor]", int]]
 """The parameters' gradients, weakly (one set to None since is freed), each with its version counter."""
+
+
+def _reader(iterable: Iterable[Any], start: int, reads_ahead: bool) -> tuple[Reader, Callable[[Any], Any], bool]:
+    """A pass's reader from position ``start`` (a resumed pass skips the batches it had trained), what moves a batch
+    to the device as the loop takes it, and whether this rank's loader had already run out (its last batch is then
+    repeated at weight zero). Lookahead reads from a Fabric loader the host batches beneath it and counts them
+    there (a count of a device batch would be a host read inside the window), moving each as the loop takes it."""
+    move: Callable[[Any], Any] = _unchanged
+    host = _lightning.fabric_host_batches(iterable) if reads_ahead else None
+    if host is not None:
+        iterable, move = host
+    last, following = _skip(iter(iterable), start)
+    reader = Reader(lambda: (next(following),), None, lambda: start, skipped=True)
+    if last is not None:
+        reader.adopt([(last,)])
+    return reader, move, last is not None
+
+
+def _where_left(micro: MicroBatch | None, completed: bool, accumulate: int,
+                model: Any) -> tuple[int | None, int | None, Gradients | None]:
+    """How a pass ended (``Progress.left``): its loader ran out, or the loop left it at a window boundary (the
+    position to resume at) or inside a window (there, with the partial gradient the parameters hold)."""
+    if micro is None or completed:
+        return None, None, None
+    if micro.last and micro.window.ended:  # its window was finished
+        return micro.position + 1, None, None
+    if not micro.backward_ran and micro.position % accumulate == 0:  # windows are K apart from the pass's start
+        return micro.position, None, None
+    gradients = [grad for p in model.parameters() if (grad := p.grad) is not None]
+    return None, micro.position, [(weakref.ref(grad), _torch.version(grad)) for grad in gradients]
 
 
 def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any) -> None:
@@ -475,4 +453,4 @@ def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any
     return None, itertools.chain([following], iterator)
 
 
-__all__ = ["BatchWindow", "FabricMonitor", "TokenMeanAccumulator"]
+__all__ = ["BatchWindow", "TokenMeanAccumulator"]  # FabricMonitor is importable here too, defined in fabric_monitor

@@ -17,7 +17,7 @@ from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._layout import World, shared_world
 from token_mean._monitor import Monitoring, audited, replayed
 from token_mean._settings import Settings
-from token_mean.counts import count_valid_labels
+from token_mean._counts import count_valid_labels
 from token_mean.results import Audit, WindowStats
 
 _PLAIN_LOOP_UNSEEN = (
@@ -51,7 +51,7 @@ class FabricMonitor(Monitoring):
     """
 
     def _constructed(self) -> None:
-        if self._auditor.enabled and self._settings.audit_loss is None:
+        if self._auditor.enabled and self.audit_loss is None:
             raise ValueError(
                 f"`audit_every={self._auditor.every}` needs `audit_loss`, a callable fn(model, batch) -> loss computing"
                 " the micro-batch's loss exactly as the loop does, got None."
@@ -77,12 +77,11 @@ class FabricMonitor(Monitoring):
             raise ValueError(f"The audit needs the model `fabric.setup` returned, got {type(model).__name__}.")
         if world is None:  # a loop without the accumulator: the ranks its layout would have
             world = shared_world(strategy, modules[0])
-        mine = self._settings
-        count_fn = settings.count_fn if settings is not None else mine.count_fn or count_valid_labels
-        reduction = settings.loss_reduction if settings is not None else mine.loss_reduction or "mean"
+        count_fn = settings.count_fn if settings is not None else self.count_fn or count_valid_labels
+        reduction = settings.loss_reduction if settings is not None else self.loss_reduction or "mean"
         aux = settings is not None and settings.mode == "lookahead"
         self._module = modules[1]
-        loss = replayed(self._settings.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
+        loss = replayed(self.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
         objective = Objective(loss, count_fn, reduction, aux, strategy.precision.forward_context)
         self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
         self._auditor.start(0)

@@ -58,7 +58,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._micro: MicroBatch | None = None  # the micro-batch in flight, until its window's optimizer step
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
-        self._unwrap_hook: Callable[[], None] = lambda: None
+        self._unwrap_hook: Callable[[], None] | None = None  # undoes the -1 refusal's wrapper (picklable: None)
 
     @property
     def count_fn(self) -> CountFn:
@@ -194,8 +194,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        self._unwrap_hook()
-        self._unwrap_hook = lambda: None
+        if self._unwrap_hook is not None:
+            self._unwrap_hook()
+            self._unwrap_hook = None
         super().teardown()
 
     def _module(self) -> pl.LightningModule:
@@ -220,9 +221,8 @@ class TokenMeanStrategy(ParallelStrategy):
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
         if self._passes is None:
             return None
-        own = restore(checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank,
-                      has_loader_states)
-        return None if own is None else own.loaders
+        return restore(checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank,
+                       has_loader_states)
 
 
 def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool, count_fn_given: bool) -> None:

@@ -389,13 +389,6 @@ def read_count(count_fn: Callable[[Any], Any], batch: Any) -> tuple[float, Probl
     return count, None, ""
 
 
-def as_count(value: Any, argument: str) -> Tensor | float:
-    """:func:`check_count`, raising a ``TypeError`` for a count of the wrong type."""
-    count, problem = check_count(value, f"`{argument}`")
-    if count is None:
-        raise TypeError(problem + ".")
-    return count
-
 
 __all__ = [
     "IGNORE_INDEX",
