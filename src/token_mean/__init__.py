@@ -1,20 +1,13 @@
 """Exact global token-mean gradients for Lightning data parallelism with gradient accumulation.
 
-``TokenMeanDDPStrategy`` makes each optimizer step follow the mean loss over all valid items of the step (all ranks,
-all micro-batches), and ``TokenMeanModelParallelStrategy`` does the same under FSDP2 and tensor parallelism; both
-are ``TokenMeanStrategy``. ``token_mean.fabric.TokenMeanAccumulator`` does it in a hand-written Lightning Fabric loop.
-``DenominatorMonitor`` logs the denominator each step used and flags divergence from a reference run;
-``TokenMeanLoss`` is the exact token-weighted validation loss; ``ExactDistributedSampler`` shards without repeating
-items. The named counts (``count_valid_labels``, ``count_shifted_labels``, ``count_examples``, ``count_sequences``,
-``ClassWeightedCount``) choose the objective.
+``TokenMeanDDPStrategy`` and ``TokenMeanModelParallelStrategy`` (FSDP2 × TP), both ``TokenMeanStrategy``, and
+``token_mean.fabric.TokenMeanAccumulator`` (a Fabric loop) normalize each step by its valid items over all ranks and
+micro-batches. ``DenominatorMonitor`` logs each step's N and flags divergence from a reference; ``TokenMeanLoss`` and
+``ExactDistributedSampler`` make validation exact; the named counts (``count_valid_labels``, ...) set the objective.
 """
 
 from importlib import metadata as _metadata
 
-from token_mean._monitor import OnDivergence
-from token_mean._settings import CountFn, LossReduction, Mode
-from token_mean._window import in_filler_batch
-from token_mean.callback import DenominatorMonitor
 from token_mean._counts import (
     IGNORE_INDEX,
     ClassWeightedCount,
@@ -25,6 +18,10 @@ from token_mean._counts import (
     sequence_token_means,
     sequence_token_sums,
 )
+from token_mean._monitor import OnDivergence
+from token_mean._settings import CountFn, LossReduction, Mode
+from token_mean._window import in_filler_batch
+from token_mean.callback import DenominatorMonitor
 from token_mean.errors import AuditError, DenominatorError, DivergenceError
 from token_mean.metrics import TokenMeanLoss
 from token_mean.model_parallel import TokenMeanModelParallelStrategy

@@ -1,32 +1,14 @@
 """The objective audit: is the gradient the optimizer is about to apply the gradient of the window's objective?
 
-At an audited window, after its last backward and before anything changes the gradient for the update, the audit
-compares ``g``, the parameters' ``.grad``, with ``g*``, the gradient of the objective itself,
-
-    J = (1 / N) · Σ over every valid item of the window (all ranks, all micro-batches) of its loss
-
-(plus the mean of ``aux_loss`` over the window's real micro-batches where the strategy optimizes one), N and the
-counts as ``count_fn`` defines them. ``g*`` is recomputed from the window's own micro-batches by an exact replay
-(:func:`objective_error`): each micro-batch's forward runs again on the unwrapped module, under the RNG state its
-forward saw, through ``torch.func.functional_call`` with detached aliases of the parameters (fresh autograd leaves:
-no gradient hook, no DDP reducer, no comm hook sees them; no copy of the weights) and clones of the buffers (BatchNorm
-statistics stay as they were). The backward of each weighted loss accumulates into one flat buffer per dtype, on the
-parameters' device: one extra gradient's worth. The error ‖g − g*‖ / ‖g*‖ is taken on every rank and the largest
-is the window's (a gradient that differs between replicas is wrong on some rank).
-
-A sharded module (FSDP2, tensor parallelism: :func:`_sharded_replay`) is replayed through itself, its collectives
-included, with ``torch.autograd.grad`` taken with respect to the tensors its forward uses (FSDP2's unsharded
-parameters): no ``.grad`` is written, so FSDP2 reduce-scatters nothing, and hooks accumulate the gradients into the
-flat buffer, one unsharded gradient's worth. Each rank then compares the part of ``g*`` its ``.grad`` holds, and the
-error is that of the whole gradient.
-
-Collectives, at an audited window only: one all-reduce of three floats (N, the real micro-batches, a bad count) over
-the ranks that share the denominator (the layout's :class:`~token_mean._record.World`: DDP's process group, a device
-mesh's data-parallel ranks; none for one device, whatever default group the process may have), one of the flat
-buffer (per dtype) over them, and one of the error (a MAX of two floats; for a sharded module a SUM of six, over every
-rank); a sharded module's replay also runs the all-gathers and tensor-parallel collectives of a forward and backward
-per micro-batch. Nothing runs at a window that is not audited.
-"""
+After an audited window's last backward, the audit compares ``g`` (the parameters' ``.grad``) with ``g*``, the
+gradient of J = (1 / N) · Σ of the loss over every valid item of the window, all ranks (plus the mean ``aux_loss``
+over real micro-batches where the strategy optimizes one). ``g*`` comes from an exact replay of the window's
+micro-batches on the unwrapped module, under their recorded RNG states, with detached parameter aliases (no hook or
+reducer sees them) and cloned buffers, into one flat buffer per dtype. The error ‖g − g*‖ / ‖g*‖ is the largest over
+the ranks; a sharded module is replayed through itself and gives the whole gradient's error (:func:`_sharded_replay`).
+Collectives, at audited windows only, over the layout's :class:`~token_mean._layout.World`: an all-reduce of three
+floats (N, real micro-batches, a bad count), one of the flat buffers, one of the error (MAX of two floats; sharded: a
+SUM of six over every rank, plus the forward and backward collectives of each replayed micro-batch)."""
 
 from __future__ import annotations
 
@@ -42,8 +24,8 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
 from token_mean import _torch
-from token_mean._layout import World
 from token_mean._counts import read_count
+from token_mean._layout import World
 from token_mean.errors import AuditError
 from token_mean.results import Audit
 
@@ -51,8 +33,8 @@ OnAuditFailure = Literal["raise", "warn", "log"]
 
 # ‖g − g*‖ / ‖g*‖ of an exact run is rounding: the summation order of the reduction differs from the replay's
 PRECISION_ORDER = (torch.float64, torch.float32, torch.float16, torch.bfloat16)
-"""From the most precise to the least: the audit's dtype is the least precise of the parameters and the losses (a
-float64 model whose loss is taken in float32, as Hugging Face's causal LMs do, rounds like float32)."""
+"""Most precise first: the audit's dtype is the least precise of the parameters and losses (a float64 model with a
+float32 loss, as Hugging Face's causal LMs have, rounds like float32)."""
 DEFAULT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 5e-2, torch.float16: 1e-2}
 MIXED_TOLERANCE = {"bf16-mixed": 5e-2, "16-mixed": 1e-2}
 """Under autocast the replay's float32 gradient sums bf16/fp16 products in another order than the run's."""
@@ -79,8 +61,8 @@ def restore_rng(state: RngState) -> None:
 
 @dataclass(frozen=True)
 class Recorded:
-    """A micro-batch of an audited window as its forward saw it: the batch, the RNG state, whether it was a
-    zero-weight filler (it adds no item and no ``aux_loss``), and its position (Lightning's ``batch_idx``)."""
+    """A micro-batch of an audited window as its forward saw it (a ``filler`` adds no item and no ``aux_loss``;
+    ``index``: Lightning's ``batch_idx``)."""
 
     batch: Any
     rng: RngState
@@ -89,8 +71,7 @@ class Recorded:
 
 
 Replayed = tuple["float | None", torch.dtype]
-"""What the replay found: ``‖g − g*‖ / ‖g*‖`` (None when N = 0 on every rank) and the least precise dtype of the
-parameters and the replayed losses on any rank (what the default tolerance depends on)."""
+"""``‖g − g*‖ / ‖g*‖`` (None when N = 0 on every rank) and the least precise dtype of parameters and losses."""
 
 
 @dataclass(frozen=True)
@@ -131,14 +112,13 @@ def _dimension_names(mesh: Any) -> tuple[str, ...]:
 def objective_error(
     module: nn.Module, micro_batches: Sequence[Recorded], objective: Objective, world: World
 ) -> Replayed:
-    """‖g − g*‖ / ‖g*‖ for the window of ``micro_batches`` (this rank's); None when N = 0 on every rank. Leaves
+    """The error and audit dtype (:data:`Replayed`) of the window of this rank's ``micro_batches``, counts and
+    gradients added over ``world``. Every rank of ``world`` (sharded: of the default group) must call it. Leaves
     ``.grad``, the buffers and the RNG streams as they were.
 
-    ``world`` holds the ranks that share the denominator, as the run's layout has them: their counts and replayed
-    gradients add up over ``world.group`` (no collective when it is not ``distributed``). A module with plain
-    parameters (one device, DDP) gives the largest error over those ranks; a sharded one (FSDP2, tensor parallelism:
-    see :func:`_sharded_replay`) the error of the whole gradient, every rank's shards together. Every rank of
-    ``world`` (when sharded, of the default group) must call it for the same window."""
+    Raises:
+        AuditError: a micro-batch of the window could not be counted, on any rank.
+    """
     parameters = audited_parameters(module)
     device, group, distributed = world.device, world.group, world.distributed
     read = [(0.0, None, "") if mb.filler else read_count(objective.count_fn, mb.batch) for mb in micro_batches]
@@ -189,12 +169,10 @@ def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 _Key = tuple[torch.dtype, torch.device]
 _Slot = tuple[torch.dtype, torch.device, torch.Size]
-"""Where a parameter's replayed gradient lives: its dtype, the device and the shape of the tensor the forward uses."""
+"""A parameter's replayed gradient: its dtype, and the device and shape of the tensor the forward uses."""
 
 
 def _slots(parameters: Sequence[tuple[str, nn.Parameter]], used: Sequence[Tensor]) -> list[_Slot]:
-    """Each parameter's dtype, with the device and the local shape of the tensor its forward uses (itself, or
-    FSDP2's unsharded parameter: the whole parameter, or its tensor-parallel shard)."""
     return [(p.dtype, leaf.device, _local(leaf).shape) for (_, p), leaf in zip(parameters, used, strict=True)]
 
 
@@ -223,7 +201,7 @@ def _local(tensor: Tensor) -> Tensor:
 
 
 class _Replay(nn.Module):
-    """``functional_call`` swaps tensors of a module's ``forward``; this one's forward is the run's loss."""
+    """Makes the run's loss a ``forward``, for ``functional_call``."""
 
     def __init__(self, module: nn.Module, loss_fn: LossFn) -> None:
         super().__init__()
@@ -235,8 +213,7 @@ class _Replay(nn.Module):
 
 
 Weigh = Callable[["Recorded", float, "tuple[Tensor | None, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
-"""(micro-batch, its count, its replayed (loss, aux)) → what it adds to J (None: nothing), the dtypes of what it
-adds appended to the list."""
+"""(micro-batch, count, replayed (loss, aux), dtypes to append to) → what it adds to J (None: nothing)."""
 
 
 def _weigher(objective: Objective, global_count: float, global_real: float) -> Weigh:
@@ -264,8 +241,7 @@ def _replay(
     weigh: Weigh,
     dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
-    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for a module with plain parameters (``used``
-    are the parameters themselves), accumulated into flat buffers; the losses' dtypes are appended to ``dtypes``."""
+    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for plain parameters, in flat buffers."""
     buffers = _flat_buffers(slots)
     leaves = {}
     for (name, p), view in zip(parameters, _views(slots, buffers), strict=True):
@@ -287,16 +263,15 @@ def _replay(
 
 
 def _buffer_clones(module: nn.Module) -> dict[str, Tensor]:
-    """The module's buffers, cloned for the replay's ``functional_call`` (BatchNorm statistics stay as they were)."""
+    """The module's buffers, cloned so that the replay leaves BatchNorm statistics as they were."""
     return {f"module.{name}": b.clone() for name, b in module.named_buffers()}
 
 
 def _held_and_used(
     module: nn.Module, parameters: Sequence[tuple[str, nn.Parameter]]
 ) -> tuple[list[tuple[str, nn.Parameter]], list[Tensor]]:
-    """For a sharded module: each parameter as the optimizer holds it (FSDP2's sharded DTensor, whose ``.grad`` is
-    compared) and the tensor its forward uses (FSDP2's unsharded parameter: the whole parameter, or its
-    tensor-parallel shard; a parameter FSDP2 does not manage is both)."""
+    """Each parameter as the optimizer holds it (whose ``.grad`` is compared) and the tensor its forward uses
+    (FSDP2's unsharded parameter; a parameter FSDP2 does not manage is both)."""
     pairs: dict[int, tuple[nn.Parameter, Tensor]] = {}
     for sharded, unsharded in _torch.fsdp_parameter_pairs(module):
         pairs[id(sharded)] = pairs[id(unsharded)] = (sharded, unsharded)  # between forwards either may be registered
@@ -315,20 +290,11 @@ def _sharded_replay(
     weigh: Weigh,
     dtypes: list[torch.dtype],
 ) -> dict[_Key, Tensor]:
-    """This rank's share of g* for a module whose parameters FSDP2 shards or tensor parallelism splits, in flat
-    buffers shaped like the ``used`` tensors' local parts (the whole parameter under FSDP2 alone, its tensor-parallel
-    shard under tensor parallelism); the losses' and the used tensors' dtypes are appended to ``dtypes``.
-
-    The forward runs through the module itself, its FSDP2 all-gathers and tensor-parallel collectives included, so
-    every micro-batch runs forward and backward on every rank, as in the run, so that the ranks' collectives stay
-    matched: one that adds nothing (no item, a filler) back-propagates its own loss with the buffers closed (its
-    gradient, NaN for a mean over no item, is dropped), or, without a loss, a zero made of the sharded modules'
-    outputs (``_fsdp.Outputs``). The backward is ``torch.autograd.grad`` with respect to the used tensors: no
-    ``.grad`` is written, so FSDP2's post-backward finds nothing to reduce-scatter, and hooks on FSDP2's sharded
-    parameters never fire (a parameter FSDP2 does not manage is its own used tensor: its hooks act on g* too). A
-    hook on each used tensor (:class:`_Sink`) adds its gradient into the tensor's slice of the flat buffer (a
-    tensor-parallel partial sum made whole first, as FSDP2 does) and hands autograd a zero that holds no memory:
-    the buffer is the one gradient's worth the replay keeps."""
+    """This rank's share of g* for a module FSDP2 shards or tensor parallelism splits, in flat buffers shaped like
+    the local parts of the ``used`` tensors. Every micro-batch runs forward and backward through the module on every
+    rank, so the collectives match; one that adds nothing back-propagates its own loss (or a zero of the sharded
+    outputs) with the sink closed. ``autograd.grad`` with respect to the used tensors writes no ``.grad``: FSDP2
+    reduce-scatters nothing and hooks on its sharded parameters never fire (those on unmanaged parameters do)."""
     from token_mean._layout import Outputs
 
     dtypes += [leaf.dtype for leaf in used]
@@ -363,9 +329,8 @@ def _sharded_replay(
 
 
 class _Sink:
-    """Where the sharded replay's gradients go: tensor hooks that add each used tensor's gradient into its slice of
-    the flat buffers while ``open``, and return a zero (a 0-dim tensor expanded to the gradient's shape: no memory),
-    so that ``autograd.grad`` returns nothing that holds memory."""
+    """Tensor hooks that add each used tensor's gradient (made whole) into its flat-buffer slice while ``open``, and
+    hand autograd an expanded 0-dim zero: the flat buffer is the only gradient's worth of memory the replay holds."""
 
     def __init__(self) -> None:
         self.open = True
@@ -398,10 +363,8 @@ def _sharded_error(
     device: torch.device,
     distributed: bool,
 ) -> Replayed:
-    """‖g − g*‖ / ‖g*‖ over the whole gradient: each rank compares the part of g* its ``.grad`` holds, and one
-    all-reduce (SUM, over the default group) adds the ranks' squared sums and counts their least precise dtypes. A
-    part several ranks hold (a parameter FSDP2 does not shard, a bias tensor parallelism replicates) counts once: the
-    mean of its ranks' squared differences."""
+    """‖g − g*‖ / ‖g*‖ over the whole gradient, each rank comparing the part its ``.grad`` holds (a part several ranks
+    hold counts once), with one SUM all-reduce over the default group."""
     ranks = dist.get_world_size() if distributed else 1
     difference = torch.zeros((), dtype=torch.float64, device=device)
     reference = torch.zeros((), dtype=torch.float64, device=device)
@@ -424,8 +387,8 @@ def _sharded_error(
 
 
 def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int) -> tuple[Tensor | None, Tensor, int]:
-    """This rank's ``.grad`` of ``parameter`` (its local tensor; None if unset), the part of ``whole`` (the summed
-    gradient of ``leaf``, the tensor the forward used) in the same place, and how many ranks hold that part."""
+    """This rank's local ``.grad`` of ``parameter`` (None if unset), the same part of ``whole`` (the summed gradient
+    of ``leaf``), and how many ranks hold that part."""
     from torch.distributed.tensor import DTensor, Replicate
 
     grad = parameter.grad
@@ -505,8 +468,7 @@ class Auditor:
         self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
 
     def tolerance_for(self, dtype: torch.dtype, precision: str | None = None) -> float:
-        """``audit_tolerance``, else the default for the least precise dtype of the parameters and the losses
-        (``dtype``) or for a mixed ``precision``."""
+        """``audit_tolerance``, else the default for a mixed ``precision`` or for ``dtype``."""
         if self.tolerance is not None:
             return self.tolerance
         if precision in MIXED_TOLERANCE:
@@ -525,10 +487,7 @@ class Auditor:
     def prepare(self, module: nn.Module, objective: Objective | None, world: World, precision: str | None = None,
                 mesh: Any = None) -> None:
         """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it. ``world``: the
-        ranks that share the denominator, as the run's layout has them (its collectives run over them alone; the
-        device its tensors live on). ``mesh``: the run's device mesh (default: ``module.device_mesh``, a
-        ``LightningModule``'s under ``ModelParallelStrategy``), without whose 'data_parallel' dimension a sharded
-        module cannot be audited."""
+        ranks that share the denominator; ``mesh``: the run's device mesh (default ``module.device_mesh``)."""
         if self.every is None or objective is None:
             return
         if mesh is None:
@@ -544,7 +503,7 @@ class Auditor:
         self._skipped_tolerance = self.tolerance_for(dtype, precision)
 
     def start(self, first_window: int) -> None:
-        """A run starts: its first window is ``first_window`` (the optimizer steps taken before it)."""
+        """A run starts at window ``first_window`` (the optimizer steps taken before it)."""
         self.audits.clear()  # in place: a monitor hands this list out
         self._recorded = None
         self._first = first_window
@@ -558,13 +517,13 @@ class Auditor:
             self._recorded.append(Recorded(batch, capture_rng(), filler, index))
 
     def filler(self) -> None:
-        """The micro-batch recorded last is a zero-weight filler (its front end says so from its forward on)."""
+        """The micro-batch recorded last is a zero-weight filler."""
         if self._recorded:
             self._recorded[-1] = replace(self._recorded[-1], filler=True)
 
     def audit(self, module: nn.Module, window: int, unseen: Callable[[], str]) -> Audit | None:
-        """After the window's last backward: its audit (None if it is not audited); every rank of the world must
-        call it. A failure raises, warns or logs as the schedule says, naming ``unseen()``."""
+        """After the window's last backward, on every rank of the world: its audit (None if not audited). A failure
+        raises, warns or logs as ``on_failure`` says, naming ``unseen()``."""
         if self._recorded is None or self._done or self._objective is None:
             return None
         self._done = True
@@ -580,8 +539,7 @@ class Auditor:
         return audit
 
     def window_end(self, window: int) -> Audit | None:
-        """The window ended: its audit, if it had one (an update the strategy skipped, N = 0, had nothing to
-        compare)."""
+        """The window ended: its audit, if due (a skipped update, N = 0, passes with nothing to compare)."""
         recorded, self._recorded = self._recorded, None
         if recorded is None:
             return None
@@ -591,7 +549,7 @@ class Auditor:
 
 
 def failure_message(audit: Audit, unseen: str) -> str:
-    """What a failed audit says: the step, the error, the tolerance, and what lies where the audit cannot see."""
+    """What a failed audit says: the step, the error, the tolerance, and ``unseen``, what the audit cannot see."""
     return (
         f"The objective audit failed at optimizer step {audit.step}: the gradient the optimizer is about to"
         f" apply differs from the gradient of the window's token-mean objective by ‖g − g*‖/‖g*‖ = {audit.error:.3e}"
@@ -600,18 +558,3 @@ def failure_message(audit: Audit, unseen: str) -> str:
         f" audit cannot see: {unseen}. Fix the normalization (e.g. use a token-mean strategy), or raise"
         " `audit_tolerance` if this precision is expected."
     )
-
-
-__all__ = [
-    "Audit",
-    "AuditError",
-    "Auditor",
-    "Objective",
-    "OnAuditFailure",
-    "Recorded",
-    "audited_parameters",
-    "failure_message",
-    "least_precise",
-    "objective_error",
-    "refusal",
-]

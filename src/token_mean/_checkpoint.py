@@ -1,10 +1,6 @@
-"""What checkpoints keep of the package, and what a resume restores.
-
-Under the Trainer, Lightning saves rank 0's loader position only, but ranks with shards of different lengths (or a
-rank that ran out and repeats its last batch as a filler) stand at different positions of their own loaders: the
-strategy saves every rank's (:func:`checkpoint_state`) and gives each rank its own back (:func:`restore`). A Fabric
-loop's checkpoint is the accumulator's :class:`Progress`: where its pass stopped, at a window boundary.
-"""
+"""What checkpoints keep of the package, and what a resume restores: Lightning saves rank 0's loader position only,
+but each rank stands at its own (shards of different lengths, fillers), so the strategy saves every rank's and gives
+each its own back. Under Fabric the checkpoint is the accumulator's :class:`Progress`."""
 
 from __future__ import annotations
 
@@ -20,18 +16,14 @@ CHECKPOINT_KEY = "token_mean"
 
 
 def every_rank(reader: Reader, world_size: int, distributed: bool) -> list[dict[str, Any]]:
-    """Every rank's position, in rank order (an all-gather of small objects, at checkpoint time only)."""
+    """Every rank's position, in rank order (an all-gather, at checkpoint time only)."""
     local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
     return gather_objects(local, world_size) if distributed else [local]
 
 
 def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> None:
-    """Refuse a checkpoint written in the middle of ``unit`` (an epoch, a Fabric pass) by ``saved`` processes and
-    resumed with ``world_size``: each rank stood at its own position in its own shard.
-
-    Raises:
-        ValueError: naming both numbers and the two ways to resume.
-    """
+    """Raise a ``ValueError`` for a checkpoint written mid-``unit`` (an epoch, a Fabric pass) by ``saved`` processes
+    and resumed with ``world_size``: each rank stood at its own position in its own shard."""
     if saved != world_size:
         raise ValueError(
             f"token_mean: the checkpoint was written in the middle of {unit} by {saved} processes, each at its own"
@@ -41,15 +33,14 @@ def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> No
 
 
 def gather_objects(value: Any, world_size: int) -> list[Any]:
-    """Every rank's ``value``, in rank order (small picklable objects: per-rank loader positions)."""
+    """Every rank's (small, picklable) ``value``, in rank order."""
     gathered: list[Any] = [None] * world_size
     dist.all_gather_object(gathered, value)
     return gathered
 
 
 def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distributed: bool) -> dict[str, Any]:
-    """What a checkpoint keeps of a Trainer strategy: the mode's counters, the K in force and, for stateful
-    loaders, every rank's position (an all-gather)."""
+    """A Trainer strategy's checkpoint: the mode's counters, K and (stateful loaders) every rank's position."""
     state: dict[str, Any] = passes.mode.state_dict()
     state["accumulate"] = accumulate
     epoch = passes.current
@@ -60,13 +51,9 @@ def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distribut
 
 def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, rank: int,
             has_loader_states: bool) -> Any | None:
-    """Restore the mode's counters from a checkpoint's ``state``; returns this rank's own loader states to load
-    instead of rank 0's (None: the checkpoint holds none; its next pass then also knows whether its loader had run
-    out).
-
-    Raises:
-        ValueError: for a checkpoint written mid-epoch by another number of processes.
-    """
+    """Restore the mode's counters (and whether this rank's loader had run out) from ``state``; returns this rank's
+    own loader states to load instead of rank 0's (None: the checkpoint holds none). A ``ValueError`` for a
+    checkpoint written mid-epoch by another number of processes."""
     if state is None:
         return None
     passes.mode.load_state_dict(state)
@@ -80,7 +67,7 @@ def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, ra
 
 
 class Progress:
-    """Passes and windows so far, and where the next pass starts (identical on every rank)."""
+    """A Fabric accumulator's passes and windows so far, and where the next pass starts (the same on every rank)."""
 
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size  # the ranks that read their own shard of the data
@@ -93,8 +80,7 @@ class Progress:
         self._resume: tuple[int, int | None] | None = None  # (position, loader pass counter) from a checkpoint
 
     def start_pass(self) -> tuple[int, int | None]:
-        """A pass starts: its first position (after the batches a resumed pass had trained) and the loader pass
-        counter to give back to a Fabric loader (None: leave it)."""
+        """A pass starts: its first position and the loader pass counter to restore (None: leave it)."""
         self.passes += 1
         self._stopped = None
         start, epoch = self._resume or (0, None)
@@ -106,13 +92,12 @@ class Progress:
         self._epoch = epoch
 
     def left(self, stopped: int | None, inside: int | None, partial: Any = None) -> None:
-        """The pass ended: left at a window boundary before position ``stopped``, or inside a window at position
-        ``inside`` with the ``partial`` gradient (both None: its loader ran out)."""
+        """The pass ended at a window boundary before ``stopped``, or inside a window at ``inside`` with the
+        ``partial`` gradient (both None: its loader ran out)."""
         self._stopped, self._abandoned, self._partial = stopped, inside, partial
 
     def take_abandoned(self) -> tuple[int, Any] | None:
-        """Where the last pass left a window unfinished and its partial gradient (None: it did not); asked once, as
-        the next pass starts."""
+        """Where the last pass left a window unfinished, and its partial gradient (None: it did not); asked once."""
         abandoned = None if self._abandoned is None else (self._abandoned, self._partial)
         self._abandoned = self._partial = None
         return abandoned
@@ -139,11 +124,7 @@ class Progress:
                 "world_size": self.world_size}
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
-        """Resume from ``state``.
-
-        Raises:
-            ValueError: for a checkpoint written in the middle of a pass by another number of processes.
-        """
+        """Resume from ``state``; a ``ValueError`` for a checkpoint written mid-pass by another number of processes."""
         position = int(state["position"])
         saved_world = state.get("world_size")
         if position > 0 and saved_world is not None:
@@ -154,13 +135,3 @@ class Progress:
         epoch = state.get("loader_epoch")
         self._resume = (position, None if epoch is None else int(epoch))
         self._stopped = self._abandoned = None
-
-
-__all__ = [
-    "CHECKPOINT_KEY",
-    "Progress",
-    "check_same_world",
-    "checkpoint_state",
-    "every_rank",
-    "restore",
-]

@@ -13,14 +13,11 @@ def scaled_allreduce_hook(
     state: Any,
     bucket: dist.GradBucket,  # type: ignore[name-defined]
 ) -> torch.futures.Future[torch.Tensor]:
-    """SUM-all-reduce the bucket scaled by the deferred mode's ``gradient_factor()`` (D/N, on the device).
+    """SUM-all-reduce the bucket (Σ∇(loss sums)/D) times the mode's ``gradient_factor()`` D/N: the token mean.
 
-    Each rank's bucket holds Σ∇(loss sums)/D; multiplying by D/N before the SUM gives the global token mean. On NCCL
-    the factor rides inside the all-reduce (``PREMUL_SUM``: no pass over the gradients at all); gloo refuses that op,
-    so elsewhere the bucket is scaled in place first. ``state`` is ``[the mode training the model now (a weak
-    reference: the C++ reducer holds the state, and a strong one would keep DDP and its process group alive,
-    ``_exit``), DDP's process group, whether it is NCCL]`` (``_layout._install_hook``); outside a window, and once
-    the mode is gone (an accumulator dropped while its model trains on), the hook is DDP's mean.
+    NCCL scales inside the all-reduce (``PREMUL_SUM``, no pass over the gradients); gloo refuses it, so the bucket
+    is scaled first. ``state`` is ``[weakref to the mode (a strong one would keep DDP and its group alive), the
+    group, whether it is NCCL]``; outside a window, or once the mode is gone, the hook is DDP's mean.
     """
     reference, group, nccl = state
     mode = reference()

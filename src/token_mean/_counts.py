@@ -1,25 +1,7 @@
-"""Named counts: the denominator of each objective, by the name a LightningCLI config can use.
+"""Named counts: the denominator of each objective, by a name a LightningCLI config can use.
 
-The count is the objective. ``TokenMeanDDPStrategy(count_fn=...)`` divides the sum of the loss over an optimizer step
-(all ranks, all micro-batches) by the sum of ``count_fn(batch)`` over the same micro-batches, so the count must be
-the number (or weight) of the items the loss's own mean divides by:
-
-==========================  ==================================================================================
-count                       the loss it matches
-==========================  ==================================================================================
-``count_valid_labels``      ``F.cross_entropy(logits, labels, ignore_index=-100)``: labels as the batch holds them
-``count_shifted_labels``    a causal LM that shifts inside the model (``self.model(**batch).loss`` in Hugging Face):
-                            ``logits[:, :-1]`` against ``labels[:, 1:]``, or against ``batch["shift_labels"]``
-``count_examples``          a mean over the rows of the micro-batch, whatever their labels hold
-``ClassWeightedCount(w)``   ``F.cross_entropy(..., weight=w)``, whose mean divides by Σ w[y] over valid labels
-``count_sequences``         a mean over sequences with at least one valid token (seq-mean aggregation, with
-                            ``loss_reduction="sum"`` and :func:`sequence_token_sums` / :func:`sequence_token_means`)
-==========================  ==================================================================================
-
-Every count here works on a mapping batch with a ``"labels"`` tensor (``count_examples`` also on tuples) and stays on
-the batch's device: nothing is read on the host, so a count costs no device sync. In a YAML config:
-``count_fn: token_mean.count_shifted_labels``, or for a class-weighted count
-``count_fn: {class_path: token_mean.ClassWeightedCount, init_args: {weight: [1.0, 2.0, 0.5]}}``.
+The strategy divides the step's loss sum by the sum of ``count_fn(batch)``, so the count must be what the loss's own
+mean divides by (the table is in docs/counts.md). Every count stays on the batch's device: it costs no host sync.
 """
 
 from __future__ import annotations
@@ -54,21 +36,9 @@ def _labels(batch: Any, count_name: str, key: str = "labels") -> Tensor:
 
 
 def count_valid_labels(batch: Any) -> Tensor:
-    """Count the labels of a mapping batch that are not ``-100``: the default ``count_fn``.
+    """The default ``count_fn``: ``batch["labels"] != -100`` summed, a 0-dim int64 tensor; for unshifted cross-entropy.
 
-    Matches ``F.cross_entropy(logits, batch["labels"], ignore_index=-100)`` (mean reduction), and any per-token loss
-    averaged over the positions where ``labels != -100``. For a causal LM that shifts the labels inside the model
-    (Hugging Face's ``self.model(**batch).loss``) this counts one position too many in every row whose first label is
-    valid: use :func:`count_shifted_labels` there.
-
-    Args:
-        batch: a mapping with a ``"labels"`` tensor of any shape.
-
-    Returns:
-        A 0-dim int64 tensor on the labels' device.
-
-    Raises:
-        TypeError: if the batch is not a mapping with a ``"labels"`` tensor; the message shows how to pass ``count_fn``.
+    Raises ``TypeError`` for a batch that is not a mapping with a ``"labels"`` tensor.
 
     Example:
         >>> count_valid_labels({"labels": torch.tensor([[5, -100, 7], [-100, -100, 1]])})
@@ -78,29 +48,14 @@ def count_valid_labels(batch: Any) -> Tensor:
 
 
 def count_shifted_labels(batch: Any) -> Tensor:
-    """Count the targets of a causal LM that shifts the labels inside the model.
+    """Valid ``labels[..., 1:]`` (or ``"shift_labels"`` as they are), a 0-dim int64 tensor: for a model that shifts.
 
-    Matches Hugging Face's ``self.model(**batch).loss`` for ``...ForCausalLM`` models and any loss of
-    ``logits[..., :-1, :]`` against ``labels[..., 1:]`` with ``ignore_index=-100``: the first label of every row is
-    never a target. When the batch holds ``"shift_labels"`` (labels already shifted, as Hugging Face accepts them
-    for context parallelism), those are the targets and are counted as they are.
-
-    Args:
-        batch: a mapping with a ``"labels"`` tensor whose last dimension is the sequence, or a ``"shift_labels"``
-            tensor.
-
-    Returns:
-        A 0-dim int64 tensor on the labels' device.
-
-    Raises:
-        TypeError: if the batch is not a mapping with a ``"labels"`` or ``"shift_labels"`` tensor.
+    Raises ``TypeError`` for a batch that is not a mapping with a ``"labels"`` or ``"shift_labels"`` tensor.
 
     Example:
         >>> labels = torch.tensor([[11, 12, 13, -100], [-100, 21, 22, 23]])
         >>> count_shifted_labels({"labels": labels}), count_valid_labels({"labels": labels})
         (tensor(5), tensor(6))
-        >>> count_shifted_labels({"labels": labels, "shift_labels": torch.tensor([[12, 13, -100], [21, 22, 23]])})
-        tensor(5)
     """
     shift_labels = batch.get("shift_labels") if isinstance(batch, Mapping) else None
     if isinstance(shift_labels, Tensor):
@@ -109,10 +64,8 @@ def count_shifted_labels(batch: Any) -> Tensor:
 
 
 def host_count(count_fn: Any, batch: Any) -> int | None:
-    """What :func:`count_valid_labels` or :func:`count_shifted_labels` gives ``batch``, read on the host with numpy
-    where the labels are a plain int64 or int32 tensor on the CPU (lookahead counts batches as the loader yields
-    them, on the CPU): the same integer without three torch kernels and a scalar read, about 40,000 fewer
-    instructions a batch. None for any other count or batch, which is counted by ``count_fn`` itself.
+    """What :func:`count_valid_labels` or :func:`count_shifted_labels` gives a dict batch of CPU int64/int32 labels,
+    read with numpy (~40,000 instructions fewer a batch than torch); None for any other count or batch.
 
     Example:
         >>> host_count(count_shifted_labels, {"labels": torch.tensor([[11, 12, 13, -100], [-100, 21, 22, 23]])})
@@ -134,26 +87,11 @@ _HOST_DTYPES = (torch.int64, torch.int32)  # signed: -100 compares as it does in
 
 
 def count_examples(batch: Any) -> int:
-    """Count the rows (examples) of a micro-batch: for a loss that is a mean over examples.
+    """The rows of ``batch["labels"]``, else of the batch's first tensor: an ``int``, for a mean over examples.
 
-    Matches ``per_example_loss.mean()`` over the micro-batch's rows, every row counting once whatever its labels
-    hold (a row of padding counts too; :func:`count_sequences` leaves out rows without a valid token). The rows are
-    the first dimension of ``batch["labels"]`` when the batch is a mapping that holds one, else of the first tensor
-    of the batch (a mapping's values in order, or a tuple's or list's items), so ``(inputs, targets)`` tuples work.
-    The count is read from the shape: a host ``int`` that costs no device work and no sync.
-
-    Args:
-        batch: a mapping, tuple or list holding at least one tensor with a batch dimension.
-
-    Returns:
-        The number of rows, an ``int``.
-
-    Raises:
-        TypeError: if the batch holds no tensor, or the tensor it counts has no dimension.
+    Raises ``TypeError`` if the batch holds no tensor, or only a 0-dim one.
 
     Example:
-        >>> count_examples({"input_ids": torch.zeros(3, 8), "labels": torch.full((3, 8), -100)})
-        3
         >>> count_examples((torch.zeros(5, 4), torch.zeros(5)))
         5
     """
@@ -176,23 +114,9 @@ def count_examples(batch: Any) -> int:
 
 
 def count_sequences(batch: Any) -> Tensor:
-    """Count the sequences (rows) that hold at least one valid label: the seq-mean denominator.
+    """The rows of ``batch["labels"]`` (sequences, tokens) with a valid label, a 0-dim int64 tensor: for seq-mean.
 
-    Matches a mean over sequences that skips sequences without a valid token, as verl's ``seq-mean-*`` loss
-    aggregation modes do. With ``loss_reduction="sum"``, ``training_step`` returns the sum over its sequences of a
-    per-sequence loss, for example ``sequence_token_means(loss_per_token, labels).sum()`` (seq-mean-token-mean) or
-    ``sequence_token_sums(loss_per_token, labels).sum()`` (seq-mean-token-sum). The last dimension of the labels is
-    the sequence; every other dimension indexes sequences.
-
-    Args:
-        batch: a mapping with a ``"labels"`` tensor of shape ``(sequences, tokens)`` (or more leading dimensions).
-
-    Returns:
-        A 0-dim int64 tensor on the labels' device.
-
-    Raises:
-        TypeError: if the batch is not a mapping with a ``"labels"`` tensor.
-        ValueError: if the labels have fewer than two dimensions (no token dimension to reduce).
+    Raises ``TypeError`` without a ``"labels"`` tensor, ``ValueError`` for labels of fewer than two dimensions.
 
     Example:
         >>> count_sequences({"labels": torch.tensor([[5, -100, 7], [-100, -100, -100], [-100, 2, -100]])})
@@ -208,20 +132,10 @@ def count_sequences(batch: Any) -> Tensor:
 
 
 class ClassWeightedCount:
-    """Count the class weights of the valid labels: Σ w[y], the denominator of class-weighted cross-entropy.
+    """Σ w[y] over the valid labels: the denominator of ``F.cross_entropy(..., weight=w)``.
 
-    Matches ``F.cross_entropy(logits, labels, weight=w, ignore_index=ignore_index)`` with mean reduction, which
-    divides the weighted loss sum by the sum of ``w[y]`` over the valid labels, not by their number. The weights are
-    copied once to each device the labels arrive on, so a count costs no host-to-device copy per micro-batch.
-
-    Args:
-        weight: one non-negative, finite weight per class (the ``weight`` passed to ``cross_entropy``). A list
-            becomes a float64 tensor; a tensor keeps its dtype.
-        ignore_index: the label that marks "not a target".
-
-    Raises:
-        ValueError: if ``weight`` is not a non-empty 1-D sequence of finite, non-negative numbers.
-        TypeError: when called on a batch that is not a mapping with a ``"labels"`` tensor.
+    ``weight``: one finite weight >= 0 per class (a list becomes float64), copied once to each device. Raises
+    ``ValueError`` for bad weights, and ``TypeError`` when called on a batch without ``"labels"``.
 
     Example:
         >>> count = ClassWeightedCount([1.0, 2.0, 0.5])
@@ -249,8 +163,7 @@ class ClassWeightedCount:
         if weight is None:
             weight = self._on_device[labels.device] = self.weight.to(labels.device)
         valid = labels != self.ignore_index
-        # Indexing with the boolean mask would read its number of True values on the host (a sync); every label is
-        # looked up instead, ignored ones as class 0, and zeroed.
+        # A boolean-mask index would sync to read its size: look every label up (ignored ones as class 0) and zero.
         per_label = weight[labels.masked_fill(~valid, 0)]
         return torch.where(valid, per_label, torch.zeros_like(per_label)).sum()
 
@@ -273,25 +186,11 @@ def _valid(loss_per_token: Tensor, labels: Tensor, ignore_index: int, helper: st
 
 
 def sequence_token_sums(loss_per_token: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """The sum of each sequence's loss over its valid tokens (0 for a sequence without one).
+    """Each sequence's loss summed over its valid tokens (0 without one): one value per row, for seq-mean-token-sum.
 
-    For seq-mean-token-sum (``count_sequences`` or ``count_examples``, ``loss_reduction="sum"``, ``training_step``
-    returns ``sequence_token_sums(...).sum()``) and, divided by a constant horizon, Dr. GRPO's
-    seq-mean-token-sum-norm. The loss at invalid positions is replaced, not multiplied, by zero, so a NaN or inf
-    there reaches neither the sum nor the gradient.
-
-    Args:
-        loss_per_token: shape ``(sequences, tokens)`` (or more leading dimensions), e.g.
-            ``F.cross_entropy(..., reduction="none")`` reshaped, or a policy-gradient loss per token.
-        labels: the same shape: class labels, valid where ``!= ignore_index``, or a boolean mask, valid where True.
-        ignore_index: the label that marks "not a target".
-
-    Returns:
-        A tensor of the leading shape (one value per sequence).
-
-    Raises:
-        ValueError: if the shapes differ.
-        TypeError: if ``labels`` is a floating-point tensor (pass a 0/1 mask as ``mask.bool()``).
+    ``labels`` has the shape of ``loss_per_token`` (sequences, tokens): class labels (valid where
+    ``!= ignore_index``) or a boolean mask. Invalid positions are replaced by zero, so a NaN there never leaks.
+    Raises ``ValueError`` if the shapes differ, ``TypeError`` for float labels (pass ``mask.bool()``).
 
     Example:
         >>> loss = torch.tensor([[1.0, 2.0, 4.0], [8.0, float("nan"), 16.0]])
@@ -303,12 +202,9 @@ def sequence_token_sums(loss_per_token: Tensor, labels: Tensor, ignore_index: in
 
 
 def sequence_token_means(loss_per_token: Tensor, labels: Tensor, ignore_index: int = IGNORE_INDEX) -> Tensor:
-    """The mean of each sequence's loss over its valid tokens; 0 for a sequence without one (never 0/0).
+    """Each sequence's mean loss over its valid tokens, 0 without one (never 0/0): for seq-mean-token-mean.
 
-    For seq-mean-token-mean: ``training_step`` returns ``sequence_token_means(...).sum()`` with
-    ``count_fn=count_sequences`` and ``loss_reduction="sum"``, so a sequence without a valid token adds nothing to
-    the loss, is not counted, and puts no NaN into the gradient. Arguments, result and errors as for
-    :func:`sequence_token_sums`.
+    Arguments and errors as for :func:`sequence_token_sums`.
 
     Example:
         >>> loss = torch.tensor([[1.0, 2.0, 4.0], [8.0, 3.0, 16.0]])
@@ -321,12 +217,12 @@ def sequence_token_means(loss_per_token: Tensor, labels: Tensor, ignore_index: i
     return sums / valid.sum(dim=-1).clamp(min=1).to(sums.dtype)
 
 
-# ---- reading one count: what the modes, the monitor's measurement and the audit do with `count_fn(batch)` ----
+# ---- reading one count (the modes, the monitor and the audit) ----
 
 
 def first_labels(batch: Any) -> Tensor | None:
-    """Valid labels in the first position of each row: by how much counting unshifted labels over-counts a model
-    that shifts them itself (on the device; None for a batch without 2-d ``"labels"``)."""
+    """Valid first labels of the rows: what unshifted labels over-count for a model that shifts them (None without
+    2-d ``"labels"``)."""
     labels = batch.get("labels") if isinstance(batch, Mapping) else None
     if not isinstance(labels, Tensor) or labels.dim() < 2:
         return None
@@ -334,11 +230,8 @@ def first_labels(batch: Any) -> Tensor | None:
 
 
 def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
-    """Check the type of one count: ``(count, "")``, or ``(None, what is wrong)``.
-
-    Only the type: whether the value is negative or NaN is checked where it is already on the host (lookahead) or
-    flagged on the device (deferred), so that no count costs a host sync of its own.
-    """
+    """Check the type of one count only (its value is checked where no sync is needed): ``(count, "")`` or
+    ``(None, what is wrong)``."""
     if isinstance(value, Tensor):
         if value.numel() != 1 or value.is_complex():
             return None, (
@@ -354,10 +247,7 @@ def check_count(value: Any, source: str) -> tuple[Tensor | float | None, str]:
 
 
 def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, str]:
-    """One count as a 0-dim tensor on ``device`` (no host sync), or ``(None, what is wrong)`` for a bad type.
-
-    Both a tensor (in the copy, or the conversion, it needs anyway) and a Python number become float64.
-    """
+    """One count as a 0-dim float64 tensor on ``device`` (no host sync), or ``(None, what is wrong)``."""
     count, detail = check_count(value, source)
     if count is None:
         return None, detail
@@ -367,11 +257,7 @@ def device_count(value: Any, source: str, device: Any) -> tuple[Tensor | None, s
 
 
 def read_count(count_fn: Callable[[Any], Any], batch: Any) -> tuple[float, Problem | None, str]:
-    """Count one batch on the host: ``(count, problem, this rank's detail)``; never raises (see ``Problem``).
-
-    Lookahead counts batches as the loader yields them, on the host, so reading the count is free; a count_fn that
-    moves the batch to an accelerator first would pay one sync per batch.
-    """
+    """Count one batch on the host (free where the loader yields it): ``(count, problem, detail)``; never raises."""
     host = host_count(count_fn, batch)
     if host is not None:
         return float(host), None, ""
@@ -387,16 +273,3 @@ def read_count(count_fn: Callable[[Any], Any], batch: Any) -> tuple[float, Probl
     if count < 0:
         return 0.0, Problem.COUNT_NEGATIVE, f"`count_fn` returned {count}"
     return count, None, ""
-
-
-
-__all__ = [
-    "IGNORE_INDEX",
-    "ClassWeightedCount",
-    "count_examples",
-    "count_sequences",
-    "count_shifted_labels",
-    "count_valid_labels",
-    "sequence_token_means",
-    "sequence_token_sums",
-]

@@ -1,16 +1,10 @@
 """The pass: one epoch (a Fabric loop's pass) over the training batches, its length, its windows, its end.
 
-An :class:`Epoch` owns what has the pass's lifetime: its :class:`~token_mean._reader.Reader`, the length every rank
-runs and the window being trained. It opens each window, hands the window the batches it needs (the next window's,
-read ahead, in lookahead; what the record says about the pass's end at its last micro-batch), and applies what the
-window's end returns: a stream goes on by one window or ends there. Nothing below calls back into it. A sized
-loader's length is agreed over the ranks before the pass (:class:`Passes`); a stream's end is agreed window by
-window, from how many ranks hold a real batch after it.
-
-A sized loader whose ``len()`` understates what it yields (a token-budget sampler's estimate) is caught at the
-pass's last window: each rank with its loader's length at hand asks it for one item more than that length (before
-the last backward from a loader known to yield fresh memory, in the window's record; after it otherwise, in one more
-collective), and every rank raises before that window's update.
+An :class:`Epoch` owns what has the pass's lifetime: its reader, the length every rank runs and the window being
+trained. It opens each window, hands it what it needs (lookahead: the next window's batches, read ahead; at its last
+micro-batch, what the record says about the pass's end), and applies what the window's end returns: a stream goes on
+by one window or ends there. A sized pass's last window also asks each loader for one item past its ``len()``, so
+a length that understates what it yields raises before that window's update.
 """
 
 from __future__ import annotations
@@ -282,6 +276,3 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
                " `pad_uneven_ranks=True` to let exhausted ranks contribute zero-weight batches, or balance the shards.")
         )
     return longest
-
-
-__all__ = ["UNKNOWN_END", "Epoch", "Passes", "agree_on_length", "length_is_a_hint"]

@@ -1,18 +1,10 @@
 """Destroy and free the default process group before the interpreter finalizes, so a finished job exits with 0.
 
-A gloo group's worker threads outlive ``destroy_process_group()`` while anything still references the group (it only
-leaves torch's registry). A worker that finishes a collective whose tensor Python also holds must take the GIL to
-drop it; if the interpreter has begun to finalize by then, the thread exits inside C++ and the process aborts
-("terminate called without an active exception", SIGABRT) after training finished and its results were written: a
-scheduler marks the job failed. Lightning keeps the group after ``fit`` (a second ``fit`` reuses it), so the package
-ends it at interpreter exit instead, for every process that trained with it: ``atexit`` handlers run before the
-interpreter finalizes, last registered first. Destroying is not enough: the DDP wrappers Lightning drops at teardown
-sit in reference cycles that hold the group, so the handler collects them too, and the group's destructor joins its
-threads while the interpreter is whole. (The package's own DDP hook keeps its state weakly for the same reason:
-``_ddp.InReduction``.) A DDP-wrapped model the user's own code still holds keeps the group alive past this point.
-The handler collects also when the group was destroyed before it ran (a script's own ``destroy_process_group()`` at
-the end of training, which torch recommends, leaves the same cycles). Spawned workers finalize as a script does, so
-the handler runs there too; forked workers leave with ``os._exit``, which runs no handler and does not finalize.
+A gloo group's worker threads outlive ``destroy_process_group()`` while anything references the group; one that
+then needs the GIL during finalization aborts the process (SIGABRT) after training succeeded. Lightning keeps the
+group after ``fit``, so an ``atexit`` handler destroys it and collects the reference cycles of dropped DDP wrappers
+that still hold it (also when a script destroyed it itself), while the interpreter is whole. A DDP model the user
+still holds keeps the group alive; forked workers leave with ``os._exit`` and run no handler.
 """
 
 from __future__ import annotations
@@ -36,6 +28,5 @@ def destroy_process_group_at_exit() -> None:
 def _destroy() -> None:
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
-    # Also when the user's code destroyed the group itself, as torch asks scripts to: that only unregistered it, and
-    # the unreachable wrappers' cycles still hold it (module docstring). A full collection at exit: ~10-100 ms once.
+    # Also after the script's own destroy (it only unregisters the group). A full collection: ~10-100 ms, once.
     gc.collect()

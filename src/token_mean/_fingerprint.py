@@ -11,9 +11,8 @@ from torch import Tensor
 from token_mean import _torch
 
 NORM_ROW = 1024
-"""Elements per partial norm of a CPU tensor's fingerprint (see ``global_norm``)."""
+"""Elements per partial norm on the devices in ``ROW_NORM_DEVICES`` (see ``global_norm``)."""
 ROW_NORM_DEVICES = ("cpu",)
-"""Device types whose fingerprints are taken row by row instead of with the fused ``torch._foreach_norm``."""
 
 
 def grad_norm(module: torch.nn.Module, device: torch.device) -> Tensor | None:
@@ -21,16 +20,12 @@ def grad_norm(module: torch.nn.Module, device: torch.device) -> Tensor | None:
 
 
 def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
-    """The L2 norm of all ``tensors`` together, a float64 tensor on ``device``, from one pass over them.
+    """The L2 norm of all ``tensors`` together, a float64 tensor on ``device`` (``None`` without tensors).
 
-    Norms are taken in each tensor's own precision (float32 for half types, whose own norms would keep three digits)
-    and only the partial norms are combined in float64. On accelerators one fused ``torch._foreach_norm`` per dtype
-    (what ``clip_grad_norm_`` uses) takes all of them; its kernels add partial sums in a tree. The CPU kernel adds a
-    tensor's squares one after the other instead: in float32 the norm of a 1M-element tensor is then ~1e-5 off, by a
-    different amount for nearly equal parameters, which would compare rounding rather than training. On the CPU each
-    tensor is therefore reduced in rows of ``NORM_ROW`` elements (one kernel per tensor, 1e-10 off). ``None``
-    without tensors. DTensors (FSDP2, tensor parallelism) are normed shard by shard, and the square sums combined in
-    one all-reduce over the world: every rank must then call this, with its shards of the same tensors.
+    Each tensor is normed in its own precision (float32 for half types) and the partial norms combined in float64:
+    on accelerators by one fused ``torch._foreach_norm`` per dtype; on the CPU, whose kernel sums squares serially
+    (~1e-5 off in float32 for 1M elements), in rows of ``NORM_ROW`` elements (1e-10 off). DTensors are normed per
+    shard and combined in one all-reduce: every rank must then call this, with its shards of the same tensors.
 
     Example:
         >>> import torch
@@ -53,7 +48,7 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
 
 
 def _squares(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
-    """The square sums of ``tensors``, float64 on ``device`` (in no particular order)."""
+    """The square sums of ``tensors``, float64 on ``device``, in no particular order."""
     squares: list[Tensor] = []
     fused: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
@@ -68,8 +63,7 @@ def _squares(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
 
 
 def _local_shares(tensors: list[Tensor]) -> tuple[list[Tensor], list[float] | None]:
-    """Each tensor as this rank holds it (a DTensor's local shard) and the weight of its square sum in a SUM over the
-    world's ranks (None: no DTensor, every rank holds every tensor whole)."""
+    """Each tensor as this rank holds it and its square sum's weight in a SUM over the world (None: no DTensor)."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(tensor, DTensor) for tensor in tensors):
@@ -100,6 +94,3 @@ def _row_norms(tensor: Tensor) -> Tensor:
     body: Tensor = torch.linalg.vector_norm(flat[: rows * NORM_ROW].view(rows, NORM_ROW), dim=1, dtype=dtype)
     tail: Tensor = torch.linalg.vector_norm(flat[rows * NORM_ROW :], dtype=dtype)
     return torch.cat((body, tail.reshape(1)))
-
-
-__all__ = ["NORM_ROW", "global_norm", "grad_norm"]

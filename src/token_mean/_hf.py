@@ -59,6 +59,3 @@ def shifted_labels_advice(strategy: str, model: Module) -> str:
         " `count_fn=token_mean.count_valid_labels` if the collator already shifted the labels (or the loss is"
         " computed outside the model on labels aligned with the logits)."
     )
-
-
-__all__ = ["label_shifting_model", "shifted_labels_advice"]

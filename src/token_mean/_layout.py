@@ -1,16 +1,7 @@
-"""Which ranks share one denominator, and how deferred mode's factor reaches their gradients.
-
-:func:`shared_world` is the one place that decides which ranks' counts add up to N, for every user of it: both
-Trainer strategies, Fabric's accumulator, both monitors' measurements and the objective audit. :func:`layout` adds
-what the modes need of the parallel layout (DDP, FSDP2 and tensor parallelism, one device), under the Trainer and
-Fabric alike:
-
-- DDP: deferred mode's factor rides in DDP's own bucket all-reduce (a communication hook, ``_comm_hook``); a
-  parameter unfrozen after DDP wrapped the model is never reduced, so its check travels in each window's record; a
-  rank that finds the ranks out of step while others are at a window's end joins their backward with zeros.
-- FSDP2 and unwrapped models: the reduction averaged the gradients before any factor of ours, so the local shards
-  are multiplied by P·D/N once after the window's last backward.
-"""
+"""Which ranks share one denominator (:func:`shared_world`, the one place that decides it for every user), and how
+deferred mode's factor reaches their gradients (:func:`layout`): under DDP it rides in DDP's bucket all-reduce (a
+communication hook); under FSDP2 or on one device the reduction has averaged the gradients, so the local shards are
+multiplied by P·D/N after the window's last backward."""
 
 from __future__ import annotations
 
@@ -37,14 +28,10 @@ WindowCheck = Callable[[], list[tuple[Problem, str]]]
 
 @dataclass(frozen=True)
 class World:
-    """The ranks that share one denominator, and where their collective tensors live.
-
-    ``size`` and ``rank`` count the ranks that hold different batches (the data-parallel ones); ``group`` reduces over
-    them (None: the default group). ``replica_group`` is set where other ranks train on this rank's very batches (the
-    tensor-parallel group of a device mesh): they must count exactly the same items. ``gradients_averaged``: the
-    gradients are averaged over the ranks with no hook of the package in the reduction (FSDP2's reduce-scatter), so a
-    provisional scale must be the same on every rank.
-    """
+    """The ranks that share one denominator, and where their collective tensors live. ``size`` and ``rank`` count the
+    data-parallel ranks; ``group`` reduces over them (None: the default group). ``replica_group``: ranks training on
+    this rank's very batches (tensor parallelism), which must count the same items. ``gradients_averaged``: the
+    reduction averages with no hook of ours (FSDP2), so a provisional scale must be the same on every rank."""
 
     size: int
     rank: int
@@ -61,14 +48,9 @@ class World:
 
 
 def shared_world(strategy: Any, model: Module | None) -> World:
-    """The ranks that share the denominator of ``model`` trained under ``strategy`` (a Trainer or a Fabric strategy).
-
-    One device trains alone, whatever default process group its process may have (independent processes launched by
-    ``torchrun`` for other reasons: their sum would be no run's N); a device mesh's data-parallel ranks (its
-    tensor-parallel ones train on the same batches); a DDP-wrapped model's ranks are those of DDP's own process group
-    (``DDPStrategy(process_group=...)``: the counts add up over the ranks whose gradients add up); any other model
-    (FSDP1, DeepSpeed) those of the default group.
-    """
+    """The ranks that share the denominator of ``model`` trained under ``strategy`` (a Trainer or a Fabric strategy):
+    one device trains alone, whatever default process group exists; a device mesh gives its data-parallel ranks; a
+    DDP model those of DDP's own group (counts add up where gradients do); any other model the default group's."""
     from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as FabricModelParallel
     from lightning.fabric.strategies.single_device import SingleDeviceStrategy as FabricSingleDevice
     from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
@@ -105,13 +87,10 @@ def _nothing(*args: Any) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a parallel layout gives the modes, under any front end.
-
-    ``world``: the ranks that share N. ``install``: makes deferred mode's factor reach the gradient reduction (given
-    the mode; DDP registers its communication hook). ``after_backward``: what deferred mode does with its factor D/N
-    (a callable that waits for it on the device) after the window's last backward. ``checks``: host-side checks run
-    as each window closes. ``join_backward``: what this rank runs when a blocking collective finds others at a
-    window's end (None: nothing to join). ``sync_flags``: the gradient-sync flags the next backward will use.
+    """What a parallel layout gives the modes, under any front end. ``world``: the ranks that share N.
+    ``install(mode)``: makes deferred mode's factor reach the reduction. ``after_backward(factor)``: applies D/N after
+    the window's last backward. ``checks``: run as each window closes. ``join_backward``: run when a blocking
+    collective finds others at a window's end (None: nothing to join). ``sync_flags``: the next backward's sync flags.
     """
 
     world: World
@@ -123,7 +102,7 @@ class Layout:
 
 
 def layout(strategy: Any, model: Module) -> Layout:
-    """The modes' view of ``model`` (what the strategy made of it: DDP, an FSDP2-sharded module, a plain module)."""
+    """The modes' view of ``model`` as the strategy wrapped it (DDP, an FSDP2-sharded module, a plain module)."""
     world = shared_world(strategy, model)
     if isinstance(model, DistributedDataParallel):
         return Layout(world, lambda mode: _install_hook(model, mode), checks=[_unreduced_parameters(model)],
@@ -140,8 +119,7 @@ def after_reduction(model: Module, world: World) -> Layout:
 
 
 def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: int) -> None:
-    """The reduction averaged over P with no hook of the package: the local shards, Σ∇(loss sums)/(P·D), times
-    P·D/N in one fused kernel over this rank's share of the gradients."""
+    """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction, times P·D/N in one fused kernel."""
     from torch.distributed.tensor import DTensor
 
     shards = [grad.to_local() if isinstance(grad, DTensor) else grad
@@ -154,13 +132,9 @@ _HOOK_STATE = "_token_mean_hook_state"
 
 
 def _install_hook(model: DistributedDataParallel, mode: Any) -> None:
-    """Register deferred's hook (on every device type: Lightning registers ``ddp_comm_hook`` on CUDA only). DDP takes
-    one hook per model, for good: a later deferred mode on the same model takes over the installed hook's state.
-
-    The state (``_comm_hook``) holds the mode weakly: the reducer (C++) holds the state, and the mode leads back to
-    the DDP wrapper, so a strong reference would make a cycle through C++ that ``gc`` never frees, keeping DDP and its
-    process group alive into interpreter finalization (``_exit``). The backend is asked once, not per bucket.
-    """
+    """Register deferred's hook (on any device; Lightning's ``ddp_comm_hook`` is CUDA-only). DDP takes one hook per
+    model for good: a later deferred mode takes over its state, which holds the mode weakly (a strong reference would
+    make a cycle through the C++ reducer that ``gc`` never frees) and the backend, asked once rather than per bucket."""
     state = getattr(model, _HOOK_STATE, None)
     if isinstance(state, list):
         state[0] = weakref.ref(mode)
@@ -177,9 +151,8 @@ def _install_hook(model: DistributedDataParallel, mode: Any) -> None:
 
 
 def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
-    """DDP reduces the gradients of the parameters that required one when it wrapped the model; one unfrozen later
-    (``BaseFinetuning``) trains on each rank's own gradient and the replicas drift apart: a host read of
-    ``requires_grad`` per frozen parameter and window."""
+    """A check for parameters unfrozen after DDP wrapped the model (``BaseFinetuning``): DDP never reduces them, so
+    the replicas drift apart. Costs a host read of ``requires_grad`` per frozen parameter and window."""
     ignored = _torch.ddp_ignored(model)
     frozen = [(name, parameter) for name, parameter in model.module.named_parameters()
               if not parameter.requires_grad and name not in ignored]
@@ -196,8 +169,8 @@ def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
 
 
 def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
-    """Raise unless every FSDP2 group of ``model`` averages its gradients over the ``data_parallel`` ranks; returns
-    whether any module is sharded at all."""
+    """Whether any module of ``model`` is sharded; a ``ValueError`` unless every FSDP2 group averages its gradients
+    over the ``data_parallel`` ranks."""
     found = list(_torch.fsdp_reductions(model))
     for module, ranks, divide_factor in found:
         where = f"`{module}`" if module else "the root module"
@@ -222,8 +195,8 @@ def stand_in_loss(module: Module) -> Tensor:
 
 
 class Outputs:
-    """The outputs of ``model``'s outermost sharded modules during one step: FSDP2's backward hooks hang on them, so a
-    zero made of them stands in for a missing loss and still runs every collective of the backward."""
+    """The outputs of ``model``'s outermost sharded modules in one step: a zero made of them stands in for a missing
+    loss and still runs every collective of FSDP2's backward."""
 
     def __init__(self, model: Module) -> None:
         self._kept: list[Any] = []
@@ -253,10 +226,7 @@ class Outputs:
         self._handles = []
 
     def stand_in_loss(self) -> Tensor | None:
-        """A zero whose backward runs every sharded module's backward of the step (None: no output to use)."""
+        """A zero whose backward runs every sharded module's backward of the step (None: no output)."""
         leaves = [leaf for output in self._kept for leaf in tree_flatten(output)[0]]
         tensors = [leaf for leaf in leaves if isinstance(leaf, Tensor) and leaf.requires_grad]
         return torch.stack([tensor.sum() * 0.0 for tensor in tensors]).sum() if tensors else None
-
-
-__all__ = ["Layout", "Outputs", "WindowCheck", "World", "check_reduction", "layout", "shared_world", "stand_in_loss"]

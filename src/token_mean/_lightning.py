@@ -1,7 +1,5 @@
-"""Every touch of Lightning's private internals, each with the Lightning (2.6) behaviour it relies on.
-
-A Lightning upgrade has this one file to check. Public hooks live in the strategies; what is here has no public way.
-"""
+"""Every touch of Lightning's private internals (what has no public hook), each with the Lightning (2.6) behaviour
+it relies on: a Lightning upgrade has this one file to check."""
 
 from __future__ import annotations
 
@@ -17,40 +15,29 @@ from token_mean._reader import Reader
 
 
 def batch_position(trainer: pl.Trainer) -> int:
-    """The position of the batch being trained (or started) in its epoch.
-
-    Relies on: the epoch loop increments ``batch_progress.current.ready`` before ``on_train_batch_start`` and
-    ``training_step``.
-    """
+    """The position in its epoch of the batch being trained (or started). Relies on: the epoch loop increments
+    ``batch_progress.current.ready`` before the batch's hooks and step."""
     return int(trainer.fit_loop.epoch_loop.batch_progress.current.ready) - 1
 
 
 def steps_after_this_batch(trainer: pl.Trainer) -> bool:
-    """Whether Lightning steps the optimizer after the batch being trained (tests and benchmarks ask it too).
-
-    Relies on: ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the epoch's last batch).
-    """
+    """Whether Lightning steps the optimizer after the batch being trained. Relies on:
+    ``_TrainingEpochLoop._should_accumulate()`` is the stepping rule (K reached, or the epoch's end)."""
     return not trainer.fit_loop.epoch_loop._should_accumulate()
 
 
 def skips_backward(trainer: pl.Trainer) -> bool:
     """Whether the fit loop runs forward passes only this epoch (``StochasticWeightAveraging``'s BatchNorm epoch).
-
-    Relies on: ``FitLoop._skip_backward`` (``_AutomaticOptimization._skip_backward``): the closure then runs
-    ``training_step`` without zeroing or back-propagating, and the optimizer still steps at the epoch's last batch.
-    """
+    Relies on: under ``FitLoop._skip_backward`` the closure runs ``training_step`` without zeroing or backward, and
+    the optimizer still steps at the epoch's last batch."""
     return bool(trainer.fit_loop._skip_backward)
 
 
 def refuse_early_epoch_end(module: pl.LightningModule,
                            refusal: Callable[[int], Exception | None]) -> Callable[[], None]:
-    """Make ``on_train_batch_start`` returning -1 raise ``refusal(batch_idx)`` (unless None) on the rank that
-    returned it, before the loop leaves the epoch there; returns what undoes it.
-
-    Relies on: the epoch loop calls the module's hook through ``getattr(pl_module, "on_train_batch_start")``
-    (``call._call_lightning_module_hook``), so an instance attribute wraps it for this fit, and ends the epoch on a
-    return value of -1 (``_TrainingEpochLoop.advance``).
-    """
+    """Make ``on_train_batch_start`` returning -1 raise ``refusal(batch_idx)`` (unless None) on that rank, before the
+    loop leaves the epoch; returns what undoes it. Relies on: ``call._call_lightning_module_hook`` looks the hook up
+    with ``getattr`` (an instance attribute wraps it); ``_TrainingEpochLoop.advance`` ends the epoch on -1."""
     hook = type(module).on_train_batch_start
     if hook is pl.LightningModule.on_train_batch_start:
         return lambda: None
@@ -67,10 +54,8 @@ def refuse_early_epoch_end(module: pl.LightningModule,
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:
-    """Whether Lightning logs the step metrics of the batch being trained (in ``on_train_batch_end``).
-
-    Relies on: ``_LoggerConnector.should_update_logs`` (``log_every_n_steps`` over the steps taken, or ``should_stop``).
-    """
+    """Whether Lightning logs the step metrics of the batch being trained. Relies on:
+    ``_LoggerConnector.should_update_logs`` (``log_every_n_steps`` over steps taken, or ``should_stop``)."""
     return bool(trainer._logger_connector.should_update_logs)
 
 
@@ -88,13 +73,9 @@ def uses_dataloader_iter(trainer: pl.Trainer) -> bool:
 
 
 def follow(trainer: pl.Trainer, epoch: Epoch) -> None:
-    """Make Lightning's fetcher end the epoch where ``epoch`` ends (a stream's end moves window by window).
-
-    Relies on: ``_DataFetcher.done`` is ``fetched >= length`` for a loader with a length (the fetcher takes the
-    reader's length from ``len()`` at ``iter()``, so it never prefetches), the epoch loop copies it into
-    ``batch_progress.is_last_batch`` after each fetch, and both the stepping rule and the loop's end read
-    ``is_last_batch``.
-    """
+    """Make Lightning's fetcher end the epoch where ``epoch`` ends (a stream's end moves window by window). Relies
+    on: for a sized loader ``_DataFetcher.done`` is ``fetched >= length`` (``len()`` at ``iter()``; no prefetch); the
+    epoch loop copies it into ``batch_progress.is_last_batch``, which the stepping rule and the loop's end read."""
     fetcher = trainer.fit_loop._data_fetcher
     if fetcher is None or fetcher.length == epoch.length:
         return
@@ -104,11 +85,8 @@ def follow(trainer: pl.Trainer, epoch: Epoch) -> None:
 
 
 def set_loader_states_to_load(trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
-    """On resume, load this rank's own loader state instead of rank 0's.
-
-    Relies on: ``FitLoop.load_state_dict`` stores the checkpoint's loader states in ``_combined_loader_states_to_load``
-    (rank 0's, on every rank) and ``setup_data`` loads them into the loaders, after the strategy restored its state.
-    """
+    """On resume, load this rank's own loader state instead of rank 0's. Relies on: ``FitLoop.load_state_dict`` puts
+    rank 0's in ``_combined_loader_states_to_load``, which ``setup_data`` loads after the strategy's restore."""
     trainer.fit_loop._combined_loader_states_to_load = states
 
 
@@ -118,13 +96,9 @@ def has_loader_states_to_load(trainer: pl.Trainer) -> bool:
 
 
 def checkpoint_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The loader states a checkpoint will hand the fit loop on resume (rank 0's), or None when it holds none.
-
-    Relies on: ``FitLoop.on_save_checkpoint`` stores them as ``checkpoint["loops"]["fit_loop"]["state_dict"]
-    ["combined_loader"]`` and ``FitLoop.on_load_checkpoint`` reads them from there during ``restore_loops``. For
-    strategies that restore after setup (``ModelParallelStrategy``), ``strategy.load_checkpoint`` returns this dict
-    before the loops are restored, so replacing the entry there is the way to give each rank its own position.
-    """
+    """The loader states (rank 0's) a checkpoint will hand the fit loop on resume, or None. Relies on: ``FitLoop``
+    keeps them at ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``; a strategy restoring after
+    setup (``ModelParallelStrategy``) returns this dict from ``load_checkpoint`` before ``restore_loops``."""
     fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
     states = fit_state.get("combined_loader")
     return states if states else None
@@ -136,13 +110,10 @@ def replace_checkpoint_loader_states(checkpoint: dict[str, Any], states: list[di
 
 
 def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
-    """Make Lightning's epoch ``length`` batches long (None: unsized), as every rank agreed.
-
-    Relies on: ``FitLoop.setup_data`` sets ``max_batches`` (``trainer.num_training_batches``) from ``len()`` of the
-    combined loader and, for a float ``val_check_interval``, ``val_check_batch = max(1, int(max_batches *
-    val_check_interval))`` (``inf`` for an unsized loader with interval 1.0); both drive the stepping rule and
-    validation, so they must agree across ranks.
-    """
+    """Make Lightning's epoch ``length`` batches long (None: unsized), as every rank agreed. Relies on:
+    ``FitLoop.setup_data`` sets ``max_batches`` from the loader's ``len()`` and, for a float ``val_check_interval``,
+    ``val_check_batch = max(1, int(max_batches * val_check_interval))`` (``inf`` if unsized, interval 1.0); both
+    drive the stepping rule and validation."""
     fit_loop = trainer.fit_loop
     fit_loop.max_batches = float("inf") if length is None else length
     interval = trainer.val_check_interval
@@ -154,16 +125,12 @@ def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
 
 
 def read_through(trainer: pl.Trainer, passes: Passes) -> None:
-    """Route the fit loop's training batches through ``passes`` from now on, for every (re)loaded loader: the ranks
-    agree on the length when the loaders are set up, and each ``iter()`` begins a pass.
-
-    Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader`` (after ``strategy.process_dataloader`` of each
-    sub-loader), sets ``max_batches`` from its length (after ``limit_train_batches``), creates ``_data_fetcher`` and
-    calls ``iter()`` on it (which prefetches one batch of an unsized loader); later epochs call ``iter(data_fetcher)``
-    again; the fetcher reads batches with ``next(combined_loader)`` and sets its ``length`` from
-    ``len(combined_loader)`` on ``iter``. User code's ``trainer.train_dataloader`` is the loaders themselves, so
-    iterating it does not pass through the reader.
-    """
+    """Route the fit loop's training batches through ``passes`` for every (re)loaded loader: the ranks agree on the
+    length at setup, and each ``iter()`` begins a pass (``trainer.train_dataloader`` itself bypasses the reader).
+    Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader``, sets ``max_batches`` from its length (after
+    ``limit_train_batches``), creates ``_data_fetcher`` and calls ``iter()`` on it (prefetching one batch of an
+    unsized loader); later epochs call ``iter(data_fetcher)``; the fetcher reads ``next(combined_loader)`` and takes
+    its ``length`` from ``len(combined_loader)`` on ``iter``."""
     fit_loop = trainer.fit_loop
     fit_loop._token_mean_passes = passes  # type: ignore[attr-defined]  # a later fit's strategy brings its own
     if getattr(fit_loop, "_token_mean_read_through", False):
@@ -200,12 +167,8 @@ def read_through(trainer: pl.Trainer, passes: Passes) -> None:
 
 
 def _own_length(combined: CombinedLoader) -> int | None:
-    """The combined loader's length without ``limit_train_batches``.
-
-    Relies on: ``FitLoop.setup_data`` sets ``CombinedLoader.limits`` from ``limit_train_batches`` (for every limit,
-    1.0 included) and calls ``iter()`` on it; ``len()`` of the combined loader is that of its mode's iterator
-    (``_iterator``), which takes its own ``limits`` into account.
-    """
+    """The combined loader's length without ``limit_train_batches``. Relies on: ``setup_data`` sets its ``limits``
+    (1.0 included) and calls ``iter()``; its ``len()`` is its ``_iterator``'s, which applies its own ``limits``."""
     iterator = combined._iterator
     if iterator is None:
         return sized_len(combined)
@@ -217,7 +180,7 @@ def _own_length(combined: CombinedLoader) -> int | None:
 
 
 class _ReadCombinedLoader(CombinedLoader):
-    """Lightning's ``CombinedLoader`` whose batches come through the pass :class:`Passes` begins at each iter."""
+    """A ``CombinedLoader`` whose batches come through the pass :class:`Passes` begins at each ``iter()``."""
 
     _token_mean_reader: Reader
     _token_mean_begin: Callable[[], Epoch]
@@ -243,19 +206,13 @@ class _ReadCombinedLoader(CombinedLoader):
         return reader.consumed_state() if reader.stateful else []  # type: ignore[no-any-return]
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# Lightning Fabric
-# ---------------------------------------------------------------------------------------------------------------
+# ---- Lightning Fabric ----
 
 
 def fabric_modules(model: Any) -> tuple[Any, Any] | None:
-    """``(forward module, original module)`` of what ``fabric.setup`` returned (None for anything else).
-
-    Relies on: ``fabric.setup`` returns a ``_FabricModule`` (inside a ``torch.compile`` wrapper when the model was
-    compiled first) whose ``_forward_module`` is what the strategy made of the model (``DistributedDataParallel``, the
-    FSDP2-sharded module itself) and whose ``_original_module`` is the user's module; ``_unwrap_compiled`` removes the
-    compile wrapper.
-    """
+    """``(forward module, original module)`` of what ``fabric.setup`` returned (None for anything else). Relies on:
+    ``fabric.setup`` returns a ``_FabricModule`` (possibly compiled: ``_unwrap_compiled`` unwraps it) whose
+    ``_forward_module`` is the strategy's wrapped model and ``_original_module`` the user's."""
     from lightning.fabric.wrappers import _FabricModule, _unwrap_compiled
 
     wrapper, _ = _unwrap_compiled(model)
@@ -266,13 +223,9 @@ def fabric_modules(model: Any) -> tuple[Any, Any] | None:
 
 
 def fabric_host_batches(loader: Any) -> tuple[Iterable[Any], Callable[[Any], Any]] | None:
-    """For a loader from ``fabric.setup_dataloaders`` that moves batches to a device: one pass over its host batches
-    and what moves one of them (None for any other iterable, or a loader that leaves batches where they are).
-
-    Relies on: ``_FabricDataLoader.__iter__`` calls ``_set_sampler_epoch(_dataloader, _num_iter_calls)``, increments
-    ``_num_iter_calls``, and yields ``move_data_to_device(item, _device)`` for each item of ``_dataloader`` when
-    ``_device`` is set.
-    """
+    """For a ``fabric.setup_dataloaders`` loader that moves batches to a device: one pass over its host batches and
+    what moves one (None for anything else). Relies on: ``_FabricDataLoader.__iter__`` sets the sampler epoch to
+    ``_num_iter_calls``, increments it and, with ``_device`` set, yields ``move_data_to_device(item, _device)``."""
     from lightning.fabric.utilities.apply_func import move_data_to_device
     from lightning.fabric.utilities.data import _set_sampler_epoch
     from lightning.fabric.wrappers import _FabricDataLoader
@@ -286,12 +239,9 @@ def fabric_host_batches(loader: Any) -> tuple[Iterable[Any], Callable[[Any], Any
 
 
 def fabric_loader_pass(loader: Any, restore: int | None) -> int | None:
-    """The pass counter of a loader from ``fabric.setup_dataloaders`` as its next ``iter()`` will use it (the epoch
-    its sampler orders by), first set to ``restore`` when given; None for any other iterable.
-
-    Relies on: ``_FabricDataLoader.__iter__`` calls ``_set_sampler_epoch(_dataloader, _num_iter_calls)`` and then
-    increments ``_num_iter_calls``, which starts at 0 with the loader (a ``set_epoch`` of the user's is overwritten).
-    """
+    """The pass counter (sampler epoch) the next ``iter()`` of a ``fabric.setup_dataloaders`` loader uses, first set
+    to ``restore`` when given; None for anything else. Relies on: ``_FabricDataLoader.__iter__`` sets the sampler
+    epoch to ``_num_iter_calls`` (from 0, overriding a user's ``set_epoch``), then increments it."""
     from lightning.fabric.wrappers import _FabricDataLoader
 
     if not isinstance(loader, _FabricDataLoader):
@@ -309,33 +259,7 @@ def fabric_strategy_of(model: Any) -> Any:
 
 
 def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
-    """Put host floats on the progress bar, on this rank, without a tensor or a host read.
-
-    Relies on: ``trainer.progress_bar_metrics`` returns the logger connector's own dict (``_progress_bar_metrics``),
-    which Lightning only updates (with ``self.log(..., prog_bar=True)`` values) during a fit and clears at its start
-    (``reset_metrics``); the progress bars read it at each refresh and take floats as they are.
-    """
+    """Put host floats on this rank's progress bar, without a tensor or a host read. Relies on:
+    ``trainer.progress_bar_metrics`` is the logger connector's ``_progress_bar_metrics``, only updated during a fit
+    and cleared at its start; the progress bars read it at each refresh and take floats as they are."""
     trainer.progress_bar_metrics.update(values)
-
-
-__all__ = [
-    "batch_position",
-    "checkpoint_loader_states",
-    "epoch_position",
-    "fabric_host_batches",
-    "fabric_loader_pass",
-    "fabric_modules",
-    "fabric_strategy_of",
-    "follow",
-    "has_loader_states_to_load",
-    "read_through",
-    "refuse_early_epoch_end",
-    "replace_checkpoint_loader_states",
-    "resize_epoch",
-    "set_loader_states_to_load",
-    "should_update_logs",
-    "show_on_progress_bar",
-    "skips_backward",
-    "steps_after_this_batch",
-    "uses_dataloader_iter",
-]

@@ -1,20 +1,13 @@
-"""The two ways of bringing a window's global count N to the gradient, and the monitor's measurement of a window.
+"""The two ways of bringing a window's global count N to the gradient: a mode lives for a fit, keeps only what
+spans windows and opens each window, which does the rest (``_window``).
 
-A mode lives for a fit and keeps only what spans windows (deferred's provisional denominator, the steps skipped); it
-opens each window, and the window does the rest (``_window``).
-
-**Lookahead** counts each window's batches before its first forward. While window w trains, the pass reads one
-batch of window w + 1 per micro-batch (a rolling read-ahead: at most K batches held), so window w's one all-reduce
-carries w + 1's share of N with w's loss sum and problems, read on the host once, after w's last backward. Only a
-pass's first window costs a collective of its own. The loss scale P·n/N is then a host float: one multiplication per
-micro-batch. A batch that ``training_step`` receives changed (moved to the device, or by a hook) is counted again
-and checked against the count read ahead, so a hook that changes the labels is an error, not a wrong mean.
+**Lookahead** counts each window's batches before its first forward: the pass reads window w + 1 while w trains
+(at most K batches held), w's one all-reduce carries w + 1's share of N, and the loss scale P·n/N is a host float.
+A batch that changed on its way to ``training_step`` is counted again and checked against the count read ahead.
 
 **Deferred** counts each micro-batch after its forward and back-propagates its loss sum over D, a stand-in for N/P
-held on the device (the previous window's N/P, or the run's first count times K). The window's record starts its
-all-reduce after the last forward; the final factor D/N reaches the gradient on the device, with no host read: inside
-DDP's bucket all-reduce of the last backward (``_comm_hook``), or by one multiplication of the local gradient shards
-after it, where the reduction averaged them first (FSDP2, ``_layout``).
+on the device; the final factor D/N reaches the gradient without a host read, inside DDP's bucket all-reduce
+(``_comm_hook``) or by one multiplication of the local shards after FSDP2's (``_layout``).
 """
 
 from __future__ import annotations
@@ -27,13 +20,13 @@ import torch
 from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 
+from token_mean._counts import first_labels, read_count
 from token_mean._layout import Layout
 from token_mean._problems import Problem
 from token_mean._reader import Entry
 from token_mean._record import Channel, Kind, Reduced, Slot
 from token_mean._settings import Settings
 from token_mean._window import Ended, MicroBatch, StepOutput, Window, check_global_count, mismatch, scale_of
-from token_mean._counts import first_labels, read_count
 from token_mean.results import WindowStats
 
 Counts = tuple[int, list[float], float, float]
@@ -331,6 +324,3 @@ class _DeferredWindow(Window):
         check_global_count(global_count, 1.0, lambda: self.where, self.detail, self.channel.world.rank)
         self._deferred.follow(global_count)
         return self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None
-
-
-__all__ = ["Counts", "Deferred", "Lookahead", "Mode", "make_mode"]

@@ -1,11 +1,5 @@
-"""What both monitors share: one set of settings, checked once, and what they do with each window.
-
-``DenominatorMonitor`` (the Trainer) and ``FabricMonitor`` (a Fabric loop) are :class:`Monitoring` with their front
-end's hooks around it. They take the same arguments with the same defaults; each window they are told of becomes its
-metrics, a trace row (rank zero writes it, every rank compares it with a reference, so with ``on_divergence="raise"``
-all ranks raise together), and, at an audited window, the objective audit (``_audit``). The trace file is flushed
-per row and closes itself with the monitor (``teardown`` closes it under the Trainer).
-"""
+"""What both monitors share: their settings, checked once, and what they do with each window (its metrics, a trace
+row that rank zero writes and every rank compares, so all raise together, and the audit)."""
 
 from __future__ import annotations
 
@@ -54,23 +48,19 @@ def _check_settings(logging_interval: Any, prefix: Any, record: Any, reference: 
 
 
 class Monitoring:
-    """The part of a monitor that knows neither Lightning's loop nor Fabric's (see the module docstring).
+    """The part of a monitor that knows neither Lightning's loop nor Fabric's.
 
     Args:
-        count_fn: the count it measures and audits with where no token-mean front end gives one.
-        loss_reduction: ``"mean"`` or ``"sum"``, likewise (default: the front end's, else ``"mean"``).
-        logging_interval: log every this many optimizer steps; None follows the front end (Lightning's
-            ``log_every_n_steps``; every window in Fabric).
+        count_fn, loss_reduction: what it measures and audits with where no token-mean front end says.
+        logging_interval: log every this many steps; None: Lightning's ``log_every_n_steps`` (Fabric: every window).
         prefix: the metric names' prefix, ``"{prefix}/global_count"`` and so on.
-        record: write the trace of this run to this ``.csv`` or ``.jsonl`` file (overwritten when the run starts).
-        reference: compare every step of this run with this trace.
-        rtol, atol: the comparison's tolerances (N within a relative 1e-9).
-        on_divergence: at the first divergent step, ``"warn"``, ``"raise"`` (:class:`~token_mean.DivergenceError`
-            on every rank) or ``"log"`` (``{prefix}/reference_divergence`` at every step).
-        audit_every, on_audit_failure, audit_tolerance: the objective audit (``docs/audit.md``) of the first window
-            and every ``audit_every``-th after it.
-        audit_loss: ``fn(model, batch) -> loss``, a micro-batch's loss exactly as the loop computes it, on the
-            unwrapped module (what the audit replays; the Trainer's monitor replays ``training_step`` without it).
+        record: write this run's trace to this ``.csv`` or ``.jsonl`` file (overwritten when the run starts).
+        reference: compare every step with this trace, within ``atol + rtol·|reference|`` (N within 1e-9).
+        on_divergence: at the first divergent step, ``"warn"``, ``"raise"`` or ``"log"`` (then at every step).
+        audit_every, on_audit_failure, audit_tolerance: audit the first window and every ``audit_every``-th after it
+            (``docs/audit.md``).
+        audit_loss: ``fn(model, batch) -> loss``, a micro-batch's loss as the loop computes it (the Trainer's
+            monitor replays ``training_step`` without it).
     """
 
     def __init__(
@@ -118,8 +108,7 @@ class Monitoring:
 
     @property
     def fingerprints(self) -> bool:
-        """Whether the steps' gradient and parameter norms are needed (a trace is written or compared), on every rank:
-        the norm of a sharded model is a collective."""
+        """Whether a trace needs each step's norms, on every rank (a sharded model's norm is a collective)."""
         return self.record is not None or self.reference is not None
 
     def _start_run(self, writes: bool, first_step: int, total_steps: float) -> None:
@@ -133,9 +122,7 @@ class Monitoring:
 
     def _window(self, step: int, stats: WindowStats, elapsed: float, norms: tuple[Tensor | None, Tensor | None],
                 naive_loss: float | None = None) -> tuple[dict[str, float], bool]:
-        """A window ended at ``step``: its metrics (prefixed) and whether they must be logged now (a divergence or an
-        audit). ``norms`` are the step's gradient norm (before clipping) and parameter norm (after the update), on the
-        device: read here in one device-to-host copy."""
+        """A window ended at ``step``: its prefixed metrics and whether to log them now; ``norms`` are on the device."""
         self.last_window = stats
         divergence = None
         if self.fingerprints:
@@ -222,8 +209,7 @@ def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None)
 
 
 def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
-    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux); (None, None) for
-    a skipped micro-batch, which has no gradient."""
+    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux), or (None, None)."""
     if isinstance(output, Tensor):
         return output, None
     if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
@@ -233,15 +219,10 @@ def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
 
 
 def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Tensor | None, Tensor | None]]:
-    """``audit_loss(model, batch)`` as the replay calls it, with a recorded micro-batch."""
     return lambda module, micro_batch: loss_and_aux(audit_loss(module, micro_batch.batch))
 
 
 def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:
-    """``stats`` with the window's audit figure (``audit_error``), if it was audited."""
     from dataclasses import replace
 
     return stats if audit is None else replace(stats, audit_error=audit.error)
-
-
-__all__ = ["Monitoring", "OnDivergence", "audited", "loss_and_aux", "replayed", "window_metrics"]

@@ -1,8 +1,5 @@
-"""What can make a window's denominator untrustworthy: one enum member per problem, carrying its text and fix.
-
-Problems are raised as flags in the window's record, so they reach every rank in the one collective the window
-already pays for, and every rank raises the same :class:`DenominatorError` before the optimizer step.
-"""
+"""What can make a window's denominator untrustworthy, with the fix: flags that ride the window's one collective,
+so every rank raises the same :class:`DenominatorError` before the optimizer step."""
 
 from __future__ import annotations
 
@@ -108,8 +105,7 @@ class Problem(Enum):
         self.what = what
         self.fix = fix
 
-    # Members are singletons compared by identity: hash them by identity too, in C (Enum's own hashes the name in
-    # Python, a frame for every set and dict a window's problems pass through)
+    # Singletons: hash by identity, in C (Enum's own hashes the name in Python, a frame per set or dict operation)
     __hash__ = object.__hash__
 
 

@@ -1,11 +1,6 @@
 """The epoch's training batches as the package sees them: read ahead on demand, padded so every rank runs as long.
-
-Under the Trainer the reader sits between Lightning's ``CombinedLoader`` and its data fetcher (``_lightning.
-read_through``), so it sees exactly the batches ``training_step`` receives, several training loaders combined, and
-nothing that user code draws from ``trainer.train_dataloader`` itself; under Fabric it reads the loader the
-accumulator was given. It never calls anything above it: the modes pull entries from it, the front end hands
-Lightning (or the loop) its items.
-"""
+Under the Trainer the reader sits between the ``CombinedLoader`` and the data fetcher, so it sees exactly the batches
+``training_step`` receives; under Fabric it reads the accumulator's loader. It calls nothing above it."""
 
 from __future__ import annotations
 
@@ -19,10 +14,9 @@ from torch.utils._pytree import tree_flatten
 from token_mean import _torch
 
 Memory = tuple[tuple[tuple[int, int, int, int], ...], tuple[tuple[int, int], ...]]
-"""The bytes a batch's tensors cover, each tensor's ``(start, stop, id, version)``, and its tensors' ``(id,
-version)`` in the batch's order. A batch whose memory overlaps another's is a refilled buffer, unless it is the very
-same tensors there, unchanged since the other was read (a loader that yields one batch again without writing to it).
-Tensors are told apart by ``id`` only against batches the reader or the loop still holds (alive: ids not reused)."""
+"""Each tensor's ``(start, stop, id, version)`` of bytes covered, and all tensors' ``(id, version)`` in order. Memory
+overlapping another batch's is a refilled buffer, unless it is the very same tensors, unchanged. ``id`` is compared
+only against batches still held (alive: ids not reused)."""
 _NO_MEMORY: Memory = ((), ())
 
 
@@ -38,36 +32,22 @@ class Entry(NamedTuple):
     memory: Memory = _NO_MEMORY
 
 
-def _memory_of(batch: Any) -> Memory:
-    spans: list[tuple[int, int, int, int]] = []
-    fingerprint: list[tuple[int, int]] = []
-    for tensor in _tensors(batch):  # one pass, no intermediate lists: this runs for every batch read
-        start, stop, version = _torch.memory(tensor)
-        key = (id(tensor), version)
-        fingerprint.append(key)
-        if start != stop:
-            spans.append((start, stop, *key))
-    return tuple(spans), tuple(fingerprint)
-
-
-def _shares(memory: Memory, other: Memory) -> bool:
-    return any(start < other_stop and other_start < stop
-               for start, stop, _, _ in memory[0] for other_start, other_stop, _, _ in other[0])
-
-
-def _overwrites(memory: Memory, others: list[Memory]) -> bool:
-    """Whether ``memory`` overlaps that of one of ``others`` where it is not the very same tensor."""
-    return any(start < other_stop and other_start < stop and (tensor, version) not in other[1]
-               for other in others for start, stop, tensor, version in memory[0]
-               for other_start, other_stop, _, _ in other[0])
+def _overwrites(memory: Memory, others: list[Memory], same_tensors: bool = False) -> bool:
+    """Whether ``memory`` overlaps that of one of ``others`` (``same_tensors``: even where it is the very same
+    tensor, unchanged). Loops, not generators: this runs for every batch read, against every batch held."""
+    for other in others:
+        for start, stop, tensor, version in memory[0]:
+            for other_start, other_stop, _, _ in other[0]:
+                if start < other_stop and other_start < stop and (same_tensors or (tensor, version) not in other[1]):
+                    return True
+    return False
 
 
 _LEAVES = (int, float, bool, str, bytes, type(None))
 
 
 def _tensors(batch: Any) -> list[Tensor]:
-    """The tensors in a batch: plain dicts, lists and tuples walked directly (a flat one in a single call), other
-    containers through torch's pytree."""
+    """The tensors in a batch: plain dicts, lists and tuples walked directly, other containers through pytree."""
     if isinstance(batch, Tensor):
         return [batch]
     kind = type(batch)
@@ -88,20 +68,15 @@ def _tensors(batch: Any) -> list[Tensor]:
 class Reader:
     """Hands out one loader's batches in order, holding some ahead when asked, and never ends by itself.
 
-    An item is what ``raw_next()`` returns; its first element is the batch (``(batch, batch_idx, dataloader_idx)``
-    from Lightning's ``CombinedLoader``; ``(batch,)`` under Fabric). Positions count batches from the pass's start
-    (from where the loop's epoch stands on resume). Where the pass ends is the :class:`~token_mean._epoch.Epoch`'s
-    to say: past the end of its loader a rank repeats its last real batch as a zero-weight filler, and a ``None``
-    batch becomes a filler too, so every rank can train the same positions. A batch read while others are held or in
-    flight (read ahead, or prefetched from a stream) is checked for sharing their memory: a loader that refills one
-    buffer would overwrite them.
+    An item is what ``raw_next()`` returns, the batch first; positions count from the pass's start, which ends where
+    the :class:`~token_mean._epoch.Epoch` says. Past the loader's end, or for a ``None`` batch, a rank repeats its
+    last real batch at weight zero. A batch read while others are held or in flight is checked for shared memory.
 
     Args:
         raw_next: the next item of the loader; raises ``StopIteration`` at its end.
-        snapshot: the loaders' own ``state_dict``s (stateful loaders only), for a mid-epoch checkpoint.
+        snapshot: the loaders' ``state_dict``s (stateful loaders only), for a mid-epoch checkpoint.
         start: where the loop's epoch stands when the first batch is fetched (mid-epoch on resume).
-        skipped: the loader's items before ``start`` were drawn before the reader (Fabric skips them itself); else a
-            resumed loader either restored its state (stateful) or restarts from its first item.
+        skipped: the items before ``start`` were drawn before the reader (Fabric skips them itself).
     """
 
     def __init__(
@@ -120,17 +95,13 @@ class Reader:
         self._current: Memory = _NO_MEMORY  # of the batch handed out last
         self._previous: Memory = _NO_MEMORY  # of the last real batch read
         self._reads = 0  # real batches read
-        # A loader is known to yield fresh memory after two real batches read of which none shared the previous one's
-        # bytes; one that refills a buffer (or shares a tensor between batches) never is, once seen.
         self.refills = False
         self._limit: int | None = None
         self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
         self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
 
     def restart(self, resumed_exhausted: bool = False, limit: int | None = None) -> None:
-        """A new pass over the loader; ``resumed_exhausted``: this rank's loader had run out when the checkpoint
-        being resumed was written; ``limit``: this rank trains its first ``limit`` batches only (Lightning's
-        ``limit_train_batches``), and repeats a filler after them."""
+        """A new pass; ``resumed_exhausted``: out of batches at the checkpoint; ``limit``: only ``limit`` batches."""
         self._limit = limit
         self.resumed_without_state = False
         self._position = 0
@@ -143,7 +114,7 @@ class Reader:
         self._current = _NO_MEMORY
 
     def adopt(self, items: list[Any]) -> None:
-        """Raw items the loop had read before the reader was installed: they come first."""
+        """Items the loop read before the reader was installed: they come first."""
         self._source.adopt(items)
 
     @property
@@ -155,8 +126,7 @@ class Reader:
         """Positions count from 0 until the first batch is fetched, then from where the loop's epoch stands."""
         self._started = True
         self.start = start
-        # resumed mid-epoch from a loader without a state (Lightning restarts it from its first batch): it yields its
-        # first batches again, and its whole length after them
+        # a loader without state resumed mid-epoch restarts: it yields its first batches again
         self.resumed_without_state = start > 0 and not self.stateful and not self._skipped
         self._position += start
         self._entries = deque(entry._replace(position=entry.position + start) for entry in self._entries)
@@ -164,7 +134,7 @@ class Reader:
 
     @property
     def fresh(self) -> bool:
-        """Whether the loader is known to yield fresh memory."""
+        """Whether the loader is known to yield fresh memory: two real reads, and no refilled buffer ever seen."""
         return self._reads >= 2 and not self.refills
 
     @property
@@ -173,19 +143,17 @@ class Reader:
 
     @property
     def position(self) -> int:
-        """The position of the next item handed out."""
         return self._position
 
     @property
     def undrawn_start(self) -> int:
-        """The loader's items of this pass the reader never drew: those before :attr:`start`, where the loader
-        resumed past them (its state restored, or skipped before the reader), else none."""
+        """Items before :attr:`start` the reader never drew (the loader resumed past them), else 0."""
         return 0 if self.resumed_without_state else self.start
 
     # ---- the loop's side ----
 
     def next_item(self, end: int) -> Any:
-        """The item at :attr:`position`; ``StopIteration`` at ``end``, where the epoch says the pass ends."""
+        """The item at :attr:`position`; ``StopIteration`` at ``end``, where the epoch ends."""
         if not self._started:
             self._shift(self._start())
         if self._position >= end:
@@ -209,8 +177,7 @@ class Reader:
 
     @property
     def consumed_exhausted(self) -> bool:
-        """Whether the loader had run out at the consumed position: one that only ran out while reading ahead
-        still holds real batches to hand out."""
+        """Whether the loader had run out at the consumed position (not merely while reading ahead)."""
         return self.exhausted and (not self._held or self._held[0].filler)
 
     # ---- the modes' side ----
@@ -229,14 +196,12 @@ class Reader:
         return self._entries[0]
 
     def entries(self, start: int, stop: int) -> list[Entry]:
-        """Entries of positions [start, stop), reading ahead as needed (fewer where a loader that yields nothing
-        ends)."""
+        """Entries of positions [start, stop), reading ahead as needed (fewer if the loader yields nothing)."""
         self.read_ahead(stop)
         return [entry for entry in self._entries if start <= entry.position < stop]
 
     def read_ahead(self, stop: int, at_most: int | None = None, in_flight: bool = True) -> None:
-        """Hold the batches up to position ``stop`` (exclusive), reading at most ``at_most`` of them now;
-        ``in_flight``: the batch handed out last has not finished its backward."""
+        """Hold the batches before ``stop``, reading at most ``at_most`` now (``in_flight``: as in :meth:`_read`)."""
         reads = 0
         next_read = self._position + len(self._held)
         while next_read < stop and (at_most is None or reads < at_most):
@@ -251,8 +216,7 @@ class Reader:
             reads += 1
 
     def has_real_from(self, position: int, in_flight: bool = True) -> bool:
-        """Whether this rank holds or can read a real batch at ``position`` or later (reads at most one batch past
-        ``position`` or past what it already holds)."""
+        """Whether a real batch is held or readable at ``position`` or later (reads at most one more batch)."""
         if any(not entry.filler for entry in self._entries if entry.position >= position):
             return True
         if self.exhausted:
@@ -261,33 +225,24 @@ class Reader:
         return any(not entry.filler for entry in self._entries if entry.position >= position)
 
     def unchanged(self, batch: Any) -> bool:
-        """Whether ``batch`` holds the very tensors of the batch handed out last, unchanged since they were read (no
-        hook between the loader and the forward moved, replaced or wrote them)."""
+        """Whether ``batch`` holds the very tensors handed out last, unchanged (no hook moved or wrote them)."""
         # the batch handed out last is held (in its entry and by the loop): its tensors' ids are not reused
         current = self._current[1]
-        tensors = _tensors(batch)
-        if not current or len(tensors) != len(current):
-            return False
-        for tensor, (identity, version) in zip(tensors, current, strict=True):  # a loop: it runs for every batch
-            if id(tensor) != identity or _torch.version(tensor) != version:
-                return False
-        return True
+        return bool(current) and _torch.fingerprint(_tensors(batch)) == current
 
     def yields_beyond(self, items: int) -> bool:
-        """Whether the loader yields more than ``items`` items this pass: it is read (and what it yields dropped)
-        until it has drawn one more, or runs out. Not for a loader under a limit."""
+        """Whether the loader yields more than ``items`` items this pass (reads and drops them). Not under a limit."""
         return self._source.draws_beyond(items)
 
     def _read(self, position: int, in_flight: bool) -> Entry:
-        """The entry at ``position`` (a filler once the loader is done); ``in_flight``: the batch handed out last has
-        not finished its backward, so a batch sharing its memory would overwrite it."""
+        """The entry at ``position`` (a filler past the loader's end); ``in_flight``: the last batch is in use."""
         if self._limit is not None and position >= self._limit:
             self._source.stop()
         item, filler = self._source.next()
         if filler:
             return Entry(position, filler=True, item=item)
-        memory = _memory_of(item[0])
-        self.refills = self.refills or _shares(memory, self._previous)
+        memory = _torch.memory(_tensors(item[0]))
+        self.refills = self.refills or _overwrites(memory, [self._previous], same_tensors=True)
         self._previous = memory
         self._reads += 1
         held = [entry.memory for entry in self._held]
@@ -296,8 +251,7 @@ class Reader:
 
 
 class _Source:
-    """The loader's items, and what a filler repeats: the last real item. A ``None`` batch before any real one
-    repeats the first real batch, which is still handed out later."""
+    """The loader's items, and what a filler repeats: the last real item (before any, the first real one)."""
 
     def __init__(self, raw_next: Callable[[], Any]) -> None:
         self._raw_next = raw_next
@@ -318,12 +272,11 @@ class _Source:
         self.drawn += len(items)
 
     def stop(self) -> None:
-        """The rank's limit is reached: what the loader holds after it is not trained."""
+        """The rank's limit is reached: nothing after it is trained."""
         self.exhausted = True
         self.pending.clear()
 
     def draws_beyond(self, items: int) -> bool:
-        """Whether the loader yields more than ``items`` items in all this pass (what is read here is dropped)."""
         if self.exhausted:
             return self.drawn > items
         while self.drawn <= items:
@@ -337,8 +290,7 @@ class _Source:
     def next(self) -> tuple[Any, bool]:
         """The next item and whether it is a filler; ``StopIteration`` for a loader that yielded nothing."""
         if self._resumed_exhausted:
-            # this rank had run out when the checkpoint was written: its loader, restored at its end, starts over,
-            # and its first batch is only repeated at weight zero
+            # ran out before the checkpoint: the restored loader starts over, its first batch a zero-weight filler
             self._resumed_exhausted = False
             self._template = self._next_raw()
             self.exhausted = True
@@ -376,6 +328,3 @@ class _Source:
         self.pending.extendleft(reversed(found))
         real = [item for item in found if item[0] is not None]
         return real[0] if real else None
-
-
-__all__ = ["Entry", "Reader"]

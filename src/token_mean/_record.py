@@ -1,14 +1,8 @@
-"""The record every collective of the package exchanges, and the channel that numbers and exchanges it.
-
-Every collective the package runs over the ranks that share a denominator is one SUM all-reduce of a float64 record
-of one fixed length. Its slots (:class:`Slot`) carry a window's numbers. Its marks carry what each rank raised: every
-:class:`~token_mean._problems.Problem`, and the :class:`Kind` of collective the rank is at, take two slots each: how
-many ranks set the mark, and the sum of 2**rank over those among the first :data:`NAMED_RANKS` ranks, which names
-them exactly (distinct powers of two add up exactly in float64). With the kind and a sequence number in every record,
-two ranks that reach different collectives of the package, ranks out of step, learn it from the result itself, each
-rank that reads it raising the same error. Per-rank counts cost P more slots, for a whole fit, when something asks
-for them (:class:`~token_mean.DenominatorMonitor` does).
-"""
+"""The record every collective of the package exchanges (one SUM all-reduce of a fixed-length float64 record), and
+the channel that numbers and exchanges it. A record holds :class:`Slot` values, then two slots per mark (each
+:class:`~token_mean._problems.Problem` and :class:`Kind`): how many ranks set it, and Σ 2**rank over those below
+:data:`NAMED_RANKS` (exact in float64). With the kind and a sequence number in every record, ranks out of step learn
+it from the result itself and all raise the same error. Per-rank counts, when asked for, cost P more slots."""
 
 from __future__ import annotations
 
@@ -57,8 +51,7 @@ class Slot(IntEnum):
     EPOCH_LENGTH = 17  # the agreement on an epoch's length: this rank's batches (or -batches under MAX)
     EPOCH_LENGTH_SQUARED = 18  # ... its square (or, under MAX, its batches)
     UNSIZED = 19  # 1: this rank's training loader has no length
-    UNSURE = 20  # 1: a rank could not look past the window before its last backward (a stream's next batch, or a
-    # sized pass's item past its length: its loader refills a buffer, or a resume restarted it)
+    UNSURE = 20  # 1: a rank could not look past the window before its last backward (refilled buffer, restart)
     BAD_COUNTS = 21  # micro-batches whose count on the device is negative or not finite (a diagnosis says whose)
     DIFFERENT = 22  # checked pairs whose two sides differ ('num_items' and the count, read ahead and received)
 
@@ -100,12 +93,9 @@ Flags = Sequence[tuple[Problem, Tensor]]
 
 class Channel:
     """The package's collectives over one :class:`World`: each a SUM all-reduce of a record, numbered in order.
-
-    ``rank_counts`` adds the per-rank block to every record of the channel (all records of a fit keep one length).
-    ``join_backward`` runs when a blocking collective finds other ranks at a window's end, before anyone raises: they
-    are about to run their last backward, whose gradient reduction would wait for this rank until the timeout, so it
-    joins that backward first (with zeros), and they reach their reading of the record.
-    """
+    ``rank_counts`` adds the per-rank block to every record. ``join_backward`` runs when a blocking collective finds
+    others at a window's end: their last backward's reduction would wait for this rank until the timeout, so it joins
+    that backward (with zeros) before anyone raises."""
 
     def __init__(
         self, world: World, rank_counts: bool = False, join_backward: Callable[[], None] | None = None
@@ -120,8 +110,7 @@ class Channel:
         self._zeros = array.array("d", bytes(8 * (RECORD_SIZE + (world.size if rank_counts else 0))))
 
     def zero(self) -> Tensor:
-        """A float64 zero on the world's device, made once per channel (a fit): never written to, every use reads
-        or copies it (a filler's count, a missing loss in a stack, the other side of a ``where``)."""
+        """A float64 zero on the world's device, made once per channel (a fit); never written to."""
         if self._zero is None:
             self._zero = torch.zeros((), dtype=torch.float64, device=self.world.device)
         return self._zero
@@ -134,8 +123,7 @@ class Channel:
     def record(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
                flags: frozenset[Problem] = frozenset(), device_flags: Flags = ()) -> Tensor:
         """This rank's record for a collective of ``kind``: ``host`` values in one host-to-device copy, ``device``
-        values in one ``index_add`` (a handful of kernels, whatever their number); ``flags``: problems found on the
-        host, ``device_flags``: problems decided on the device."""
+        values in one ``index_add``; ``flags`` and ``device_flags``: problems found on the host or device."""
         world = self.world
         values = self._zeros[:]  # a C copy of the record's zeros (an array from a list costs ~20,000 instructions)
         for slot, value in host.items():
@@ -157,8 +145,7 @@ class Channel:
 
     def _device_part(self, device: Device, flags: frozenset[Problem],
                      device_flags: Flags) -> tuple[tuple[int, ...], Tensor | None]:
-        """The record's slots the device values add to, and those values as one float64 vector: the scalars
-        stacked, each vector of several slots as it is (a record of one vector and no scalar takes no kernel)."""
+        """The slots the device values add to, and those values as one float64 vector (one vector alone: no kernel)."""
         scalar_slots: list[int] = []
         scalars: list[Tensor] = []
         vector_slots: list[int] = []
@@ -172,8 +159,7 @@ class Channel:
                 for target in self.count_slots if slot is Slot.COUNT else (slot,):
                     scalar_slots.append(target)
                     scalars.append(value)
-        # a problem also flagged on the host is set already; every other is 0 or 1, with its rank bit (a problem
-        # decided twice on the device counts once)
+        # a problem flagged on the host is set already; one decided twice on the device counts once
         decided: dict[Problem, list[Tensor]] = {}
         for problem, flag in device_flags:
             if problem not in flags:
@@ -188,7 +174,7 @@ class Channel:
         return (*scalar_slots, *vector_slots), sources[0] if len(sources) == 1 else torch.cat(sources)
 
     def _index(self, slots: tuple[int, ...]) -> Tensor:
-        """The device index tensor of ``slots``, made once per set of slots (a window's are the same every time)."""
+        """The device index tensor of ``slots``, made once per set (a window's are the same every time)."""
         index = self._indices.get(slots)
         if index is None:
             index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
@@ -201,7 +187,7 @@ class Channel:
 
     def reduce(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
                flags: frozenset[Problem] = frozenset(), device_flags: Flags = (), op: Any = None) -> Reduced:
-        """A blocking collective (a host read), by default a SUM: only where no forward of a window has run yet."""
+        """A blocking collective (a host read), by default a SUM: only where no window's forward has run yet."""
         record = self.record(kind, host, device, flags, device_flags)
         reduced = self._exchange(kind, record, op or dist.ReduceOp.SUM).read()
         if (op is None and self._join_backward is not None and not reduced.in_step() and kind is not Kind.WINDOW
@@ -216,12 +202,8 @@ class Channel:
 
 
 class Exchange:
-    """One record's all-reduce, started at once and in flight until read.
-
-    ``wait()`` hands back the reduced record on the device without a host sync (on NCCL the current stream waits for
-    the collective; gloo completes on the host). ``read()`` copies it to the host: once per window, after the
-    window's last backward.
-    """
+    """One record's all-reduce, started at once: ``wait()`` gives the reduced record on the device without a host
+    sync, ``read()`` copies it to the host (once per window, after its last backward)."""
 
     def __init__(self, kind: Kind, record: Tensor, world: World, op: Any) -> None:
         self.kind = kind
@@ -236,8 +218,7 @@ class Exchange:
         return self.record
 
     def read(self, extra: Tensor | None = None) -> Reduced:
-        """The reduced record on the host; ``extra`` local device values (1-d, float64) are appended and read in the
-        same copy."""
+        """The reduced record on the host, with ``extra`` local device values (1-d, float64) read in the same copy."""
         record = self.wait()
         if extra is None:
             return Reduced(self.kind, record.tolist(), self.world, [])
@@ -268,7 +249,7 @@ class Reduced:
         return round(self.values[RANKS + index]), [rank for rank in range(NAMED_RANKS) if bits >> rank & 1]
 
     def in_step(self) -> bool:
-        """Every rank ran the same collective, as its same-numbered collective on the channel."""
+        """Every rank ran this collective as its same-numbered one on the channel."""
         size, values = self.world.size, self.values
         kinds = values[RANKS + _FIRST_KIND : RANKS + _FIRST_KIND + len(Kind)]  # how many ranks were at each kind
         sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
@@ -316,8 +297,7 @@ class Reduced:
                 f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)")
 
     def clean(self) -> bool:
-        """Every rank ran this collective as its same-numbered one and raised nothing: the common case, told from a
-        few slots (the marks' counts add up to the ranks at this kind alone)."""
+        """Every rank ran this collective as its same-numbered one and raised nothing (the cheap common case)."""
         size, values = self.world.size, self.values
         marks = values[RANKS:BITS]
         sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
@@ -325,9 +305,8 @@ class Reduced:
                 and (self.kind not in (Kind.WINDOW, Kind.DIAGNOSIS) or self.lengths_agree()))
 
     def check(self, where: str, detail: str = "", more: Sequence[str] = ()) -> None:
-        """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any rank raised a
-        problem (``more``: lines the caller judged from the record); this rank's own ``detail`` (and, out of step,
-        where it was) is a note, so that the message itself is the same everywhere."""
+        """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any raised a problem
+        (``more``: the caller's own lines); this rank's ``detail`` is a note, so the message is the same everywhere."""
         if not more and self.clean():
             return
         if not self.in_step():
@@ -348,11 +327,8 @@ def _who(ranks: int, named: list[int]) -> str:
 
 
 def raise_lines(lines: list[str], where: str, detail: str, rank: int) -> None:
-    """Raise the same :class:`DenominatorError` on every rank for ``lines`` (none: return).
-
-    The first line leads with the first problem (which ranks, what), then says where; its fix and any further
-    problems follow, indented: in a log where several ranks' tracebacks interleave, the cause is the line read.
-    """
+    """Raise the same :class:`DenominatorError` on every rank for ``lines`` (none: return). The first problem leads
+    the first line, since that is the line read where ranks' tracebacks interleave; its fix and the rest follow."""
     if not lines:
         return
     cause, _, fix = lines[0].partition(". Fix: ")
@@ -362,18 +338,3 @@ def raise_lines(lines: list[str], where: str, detail: str, rank: int) -> None:
     if detail:
         error.add_note(f"On rank {rank}: {detail}")
     raise error
-
-
-__all__ = [
-    "MARKS",
-    "NAMED_RANKS",
-    "NO_SLOTS",
-    "RECORD_SIZE",
-    "Channel",
-    "Exchange",
-    "Kind",
-    "Reduced",
-    "Slot",
-    "Slots",
-    "raise_lines",
-]

@@ -1,10 +1,5 @@
-"""Every user setting the package takes, checked once, where it is given, with one message per kind of mistake.
-
-The strategies, Fabric's accumulator and both monitors take their shared settings through these functions, so the
-same bad value gets the same error everywhere. A strategy's own parent arguments (what it hands through to
-``DDPStrategy`` or ``ModelParallelStrategy``) are checked here too: a name the parent does not take would otherwise
-fail after launch, inside each process, with Python's bare "unexpected keyword argument".
-"""
+"""Every user setting, checked once where it is given (one error per mistake, the same everywhere), a strategy's
+parent arguments included: a bad one would otherwise fail only after launch, in every process."""
 
 from __future__ import annotations
 
@@ -83,8 +78,7 @@ def named_parameters(function: Callable[..., Any], leave_out: Collection[str] = 
 
 
 def check_passed_through(strategy: str, parent: str, kwargs: Mapping[str, Any], accepted: Collection[str]) -> None:
-    """A ``TypeError`` for the first name in ``kwargs`` that ``accepted`` lacks, saying where it belongs; a
-    ``ValueError`` for a value of the parent's own arguments that would fail only once processes start."""
+    """A ``TypeError`` for a name ``accepted`` lacks (saying where it belongs), a ``ValueError`` for a bad value."""
     import lightning.pytorch as pl
 
     trainer_arguments = named_parameters(pl.Trainer.__init__)
@@ -117,19 +111,3 @@ _PARENT_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
 }
 """The parent's own arguments whose bad values would fail only after launch: (the check, what is expected)."""
-
-
-__all__ = [
-    "LOSS_REDUCTIONS",
-    "MODES",
-    "CountFn",
-    "LossReduction",
-    "Mode",
-    "Settings",
-    "check_passed_through",
-    "checked_count_fn",
-    "checked_loss_reduction",
-    "checked_settings",
-    "named_parameters",
-    "positive_int",
-]

@@ -1,7 +1,4 @@
-"""Every touch of torch's private internals, each with the torch (2.13) behaviour it relies on.
-
-A torch upgrade has this one file to check.
-"""
+"""Every touch of torch's private internals, each with the torch (2.13) behaviour it relies on: one file to check."""
 
 from __future__ import annotations
 
@@ -16,10 +13,9 @@ from torch.nn import Module
 
 
 def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
-    """Each FSDP2 parameter group of ``model``, with the name of the module that holds it.
+    """Each FSDP2 parameter group of ``model``, with its module's name.
 
-    Relies on: ``fully_shard`` makes each module's groups, and ``FSDPModule._get_fsdp_state()._fsdp_param_groups``
-    lists them.
+    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` lists the groups ``fully_shard`` made.
     """
     from torch.distributed.fsdp import FSDPModule
 
@@ -30,13 +26,11 @@ def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
 
 
 def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, float | None]]:
-    """Each FSDP2 parameter group of ``model``: the name of the module that holds it, the data-parallel ranks its
-    gradients are reduced over, and its divide factor (None: the mean over those ranks).
+    """``(module name, ranks reduced over, divide factor or None for their mean)`` per FSDP2 parameter group.
 
-    Relies on: each parameter group has ``mesh_info`` (``shard_mesh_size`` and, under HSDP, ``replicate_mesh_size``)
-    and ``gradient_divide_factor``; ``foreach_reduce`` divides the reduced gradient by that factor, or by shard ×
-    replicate size when it is None (``_get_gradient_divide_factors``: ``ReduceOp.AVG``, or a SUM with a pre- and
-    post-division for float16 and float64), for every reduce dtype.
+    Relies on: a group's ``mesh_info`` (``shard_mesh_size``, under HSDP ``replicate_mesh_size``) and
+    ``gradient_divide_factor``; ``foreach_reduce`` divides by that factor, or by shard × replicate size when None,
+    for every reduce dtype (``_get_gradient_divide_factors``).
     """
     for name, group in fsdp_param_groups(model):
         mesh_info = group.mesh_info
@@ -55,22 +49,19 @@ def is_sharded(module: Module, recurse: bool = True) -> bool:
 
 
 def fsdp_reduces_gradients(groups: Sequence[Any]) -> list[bool]:
-    """Whether each FSDP2 parameter group in ``groups`` reduces its gradients in the next backward.
+    """Whether each FSDP2 parameter group reduces its gradients in the next backward.
 
-    Relies on: ``set_requires_gradient_sync`` (and Fabric's ``no_backward_sync``) sets ``reduce_grads`` on every
-    parameter group, and ``FSDPParamGroup.post_backward`` reads it when the backward runs.
+    Relies on: ``set_requires_gradient_sync`` (Fabric's ``no_backward_sync``) sets each group's ``reduce_grads``,
+    which ``FSDPParamGroup.post_backward`` reads.
     """
     return [bool(group.reduce_grads) for group in groups]
 
 
 def drop_fsdp_unreduced_gradients(model: Module) -> None:
-    """Drop what FSDP2 holds of backwards that did not reduce (``set_requires_gradient_sync(False)``): the partial
-    gradient of a window left unfinished, which ``optimizer.zero_grad()`` does not reach and the next reducing
-    backward would add in. A no-op for a model without FSDP2 modules.
+    """Drop FSDP2's unreduced gradient of an unfinished window (``zero_grad()`` misses it; it would be added in).
 
-    Relies on: ``FSDPParamGroup.post_backward`` with ``reduce_grads`` False keeps each ``FSDPParam``'s gradient as
-    ``_unsharded_param.grad`` (or, for another reduce dtype, ``unsharded_accumulated_grad``), and the next reducing
-    ``post_backward`` reduce-scatters it with the new one.
+    Relies on: ``post_backward`` without ``reduce_grads`` keeps it as ``_unsharded_param.grad`` (or
+    ``unsharded_accumulated_grad`` for another reduce dtype), and the next reducing one reduce-scatters it too.
     """
     for _, group in fsdp_param_groups(model):
         for parameter in group.fsdp_params:
@@ -81,15 +72,12 @@ def drop_fsdp_unreduced_gradients(model: Module) -> None:
 
 
 def fsdp_parameter_pairs(model: Module) -> list[tuple[torch.nn.Parameter, Tensor]]:
-    """``(sharded, unsharded)`` for every parameter FSDP2 manages in ``model``: the DTensor registered on the module
-    between forwards, whose ``.grad`` the optimizer reads, and the tensor registered in its place during forward and
-    backward, the leaf autograd records.
+    """``(sharded, unsharded)`` per FSDP2 parameter: the DTensor the optimizer reads, and the leaf autograd records.
 
-    Relies on: a parameter group's ``fsdp_params`` lists its ``FSDPParam``s; an ``FSDPParam``'s ``sharded_param`` is
-    the registered DTensor and its ``_unsharded_param`` is created at the first all-gather and kept as one object
-    (resharding frees its storage, the next all-gather refills it). Only a ``.grad`` set on the unsharded parameter
-    is reduce-scattered by ``FSDPParamGroup.post_backward``: with none, it reduces nothing (unless
-    ``reduce_scatter_unused_params``, which reduces zeros) and only reshards.
+    Relies on: a group's ``fsdp_params``; an ``FSDPParam``'s ``sharded_param`` is the registered DTensor and its
+    ``_unsharded_param`` one object from the first all-gather on (resharding frees only its storage).
+    ``post_backward`` reduce-scatters only a ``.grad`` set on it (none: nothing, or zeros with
+    ``reduce_scatter_unused_params``).
     """
     return [
         (parameter.sharded_param, parameter._unsharded_param)
@@ -100,9 +88,9 @@ def fsdp_parameter_pairs(model: Module) -> list[tuple[torch.nn.Parameter, Tensor
 
 
 def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
-    """``tensors *= factor`` in one fused kernel per device and dtype (what ``clip_grad_norm_`` uses).
+    """``tensors *= factor`` in one fused kernel per device and dtype.
 
-    Relies on: ``torch._foreach_mul_(list, Tensor)`` scales each tensor in place by a 0-dim tensor on their device.
+    Relies on: ``torch._foreach_mul_(list, Tensor)`` scales in place by a 0-dim tensor on their device.
     """
     groups: dict[tuple[torch.device, torch.dtype], list[Tensor]] = {}
     for tensor in tensors:
@@ -113,20 +101,17 @@ def multiply_(tensors: list[Tensor], factor: Tensor) -> None:
 
 
 def norms(tensors: list[Tensor], dtype: torch.dtype | None) -> tuple[Tensor, ...]:
-    """The L2 norm of each tensor from one fused kernel (``torch._foreach_norm``, as ``clip_grad_norm_`` takes it),
-    accumulated in ``dtype`` (None: the tensors' own)."""
+    """Each tensor's L2 norm from one ``torch._foreach_norm`` kernel, in ``dtype`` (None: the tensors' own)."""
     # `dtype=` only where needed: it came in torch ~2.5
     return tuple(torch._foreach_norm(tensors, 2) if dtype is None else torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
 def start_all_reduce(group: Any, tensor: Tensor, op: Any = None) -> Any:
-    """Start an all-reduce of ``tensor`` (SUM unless ``op``) over ``group`` (a ``ProcessGroup``; None: the default
-    group) and return its work, without the Python checks of ``dist.all_reduce`` (tens of microseconds a call: the
-    window's record and deferred's comm hook, per bucket, start one).
+    """Start an all-reduce (SUM unless ``op``) over ``group`` (None: default), skipping ``dist.all_reduce``'s checks
+    (tens of µs, per window and per bucket); return its work.
 
-    Relies on: ``ProcessGroup.allreduce(list[Tensor], AllreduceOptions)`` starts the collective (what
-    ``dist.all_reduce`` calls after its checks, with ``asyncOp`` True by default); ``dist.group.WORLD`` is the
-    default group.
+    Relies on: ``ProcessGroup.allreduce(list[Tensor], AllreduceOptions)``, what ``dist.all_reduce`` calls after its
+    checks (``asyncOp`` True by default); ``dist.group.WORLD`` is the default group.
     """
     options = dist.AllreduceOptions()
     if op is not None:
@@ -136,9 +121,9 @@ def start_all_reduce(group: Any, tensor: Tensor, op: Any = None) -> Any:
 
 
 def premul_sum(factor: Tensor) -> Any:
-    """NCCL's ``PREMUL_SUM`` reduce op with ``factor`` (a device tensor): the all-reduce multiplies as it sums.
+    """NCCL's ``PREMUL_SUM`` op: the all-reduce multiplies by ``factor`` (a device tensor) as it sums.
 
-    Relies on: ``dist._make_nccl_premul_sum(factor)``; NCCL only (gloo raises "Cannot use ReduceOp.PREMUL_SUM").
+    Relies on: ``dist._make_nccl_premul_sum(factor)``; NCCL only (gloo raises).
     """
     return dist._make_nccl_premul_sum(factor)  # type: ignore[attr-defined]
 
@@ -146,9 +131,8 @@ def premul_sum(factor: Tensor) -> Any:
 def to_device(values: list[float] | list[int] | array.array[float], dtype: torch.dtype, device: torch.device) -> Tensor:
     """Host values on ``device`` without making the host wait for the device's queued work.
 
-    Relies on: a CUDA copy from pinned host memory with ``non_blocking=True`` is queued on the current stream and
-    returns at once (from pageable memory, or ``torch.tensor(..., device=cuda)``, it may wait for the stream); the
-    caching host allocator keeps the pinned block until the copy is done.
+    Relies on: a non-blocking CUDA copy from pinned memory returns at once (from pageable memory it may wait), and
+    the caching host allocator keeps the pinned block until the copy is done.
     """
     if dtype is torch.float64:  # through a C array: a third of `torch.tensor(list)`'s host time (it owns the memory)
         host = torch.frombuffer(values if isinstance(values, array.array) else array.array("d", values),
@@ -162,15 +146,29 @@ def to_device(values: list[float] | list[int] | array.array[float], dtype: torch
     return host.to(device, non_blocking=True)
 
 
-def memory(tensor: Tensor) -> tuple[int, int, int]:
-    """The bytes ``[data_ptr, data_ptr + extent)`` the tensor's elements reach (its strides included; non-negative
-    strides; an empty tensor reaches none) and its :func:`version`: what the reader notes of every tensor it reads,
-    in one call (it runs for each tensor of each batch).
+def memory(tensors: list[Tensor]) -> tuple[tuple[tuple[int, int, int, int], ...], tuple[tuple[int, int], ...]]:
+    """The bytes each tensor's elements reach, ``(start, end, id, version)`` (empty ones left out; non-negative
+    strides), and every tensor's ``(id, version)`` in order: one call per batch read.
 
     Relies on: ``Tensor._version`` as :func:`version` says.
     """
-    start = tensor.data_ptr()
-    return start, start + (tensor.nbytes if tensor.is_contiguous() else _extent(tensor)), tensor._version
+    spans = []
+    fingerprint = []
+    for tensor in tensors:  # a loop, no intermediate lists: this runs for every batch read
+        start, key = tensor.data_ptr(), (id(tensor), tensor._version)
+        stop = start + (tensor.nbytes if tensor.is_contiguous() else _extent(tensor))
+        fingerprint.append(key)
+        if start != stop:
+            spans.append((start, stop, *key))
+    return tuple(spans), tuple(fingerprint)
+
+
+def fingerprint(tensors: list[Tensor]) -> tuple[tuple[int, int], ...]:
+    """Every tensor's ``(id, version)``, in order (:func:`memory`'s second part).
+
+    Relies on: ``Tensor._version`` as :func:`version` says.
+    """
+    return tuple([(id(tensor), tensor._version) for tensor in tensors])
 
 
 def _extent(tensor: Tensor) -> int:
@@ -183,9 +181,8 @@ def _extent(tensor: Tensor) -> int:
 def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> None:
     """Join, with zero gradients, the gradient all-reduces of one DDP backward that the other ranks are running.
 
-    Relies on: ``DistributedDataParallel._match_all_reduce_for_bwd_pass``, what DDP's uneven-inputs ``join()`` runs
-    for a rank that has run out: one all-reduce per bucket, of zeros, through the registered communication hook, in
-    the reducer's bucket order; then, with ``find_unused_parameters``, ``_match_unused_params_allreduce``.
+    Relies on: ``_match_all_reduce_for_bwd_pass`` (DDP ``join()``'s): one all-reduce of zeros per bucket, through
+    the comm hook, in bucket order; then ``_match_unused_params_allreduce`` with ``find_unused_parameters``.
     """
     model._match_all_reduce_for_bwd_pass()  # type: ignore[no-untyped-call]
     if model.find_unused_parameters:
@@ -195,35 +192,15 @@ def shadow_ddp_backward(model: torch.nn.parallel.DistributedDataParallel) -> Non
 def ddp_ignored(model: torch.nn.parallel.DistributedDataParallel) -> set[str]:
     """The parameter names DDP was told to leave alone (``_set_params_and_buffers_to_ignore_for_model``).
 
-    Relies on: ``DistributedDataParallel.parameters_to_ignore``, the set of those names, read when DDP builds its
-    reducer over the parameters that require a gradient at that time.
+    Relies on: ``DistributedDataParallel.parameters_to_ignore``, read when DDP builds its reducer over the
+    parameters that then require a gradient.
     """
     return set(getattr(model, "parameters_to_ignore", ()) or ())
 
 
 def version(tensor: Tensor) -> int:
-    """The tensor's version counter: every in-place change of it (or of a view of its storage) increments it.
+    """The tensor's version counter.
 
-    Relies on: ``Tensor._version``, autograd's counter, shared by a tensor and its views and bumped by in-place ops
-    and ``copy_`` (not by writes through a NumPy array or a raw pointer).
+    Relies on: ``Tensor._version``, shared with its views, bumped by in-place ops and ``copy_`` (not by NumPy writes).
     """
     return tensor._version
-
-
-__all__ = [
-    "ddp_ignored",
-    "drop_fsdp_unreduced_gradients",
-    "fsdp_param_groups",
-    "fsdp_parameter_pairs",
-    "fsdp_reduces_gradients",
-    "fsdp_reductions",
-    "is_sharded",
-    "memory",
-    "multiply_",
-    "norms",
-    "premul_sum",
-    "shadow_ddp_backward",
-    "start_all_reduce",
-    "to_device",
-    "version",
-]

@@ -11,7 +11,8 @@ what each micro-batch contributed and its one exchange. Read top to bottom, a wi
     loss.backward(); micro.backward_done()                  # the front end's own backward
     ended = window.end()                                    # after the last backward: the one host read
 
-``end()`` returns what the window produced (:data:`Ended`) to the pass that opened it, which applies it; nothing here calls back into the
+``end()`` returns what the window produced (:data:`Ended`) to the pass that opened it, which applies it; nothing here
+calls back into the
 pass. The modes (``_modes``) say when a micro-batch's count is known and how the scale reaches the gradient; this
 module holds what they share: the micro-batch, what the micro-batches contributed (detached, on the device, summed
 once per window), and the reading of the exchange, which raises the same :class:`~token_mean.DenominatorError` on
@@ -30,11 +31,11 @@ import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
+from token_mean._counts import device_count, first_labels
 from token_mean._layout import WindowCheck
 from token_mean._problems import Problem
 from token_mean._reader import Entry
 from token_mean._record import NO_SLOTS, Channel, Device, Exchange, Flags, Kind, Reduced, Slot, raise_lines
-from token_mean._counts import device_count, first_labels
 from token_mean.results import WindowStats
 
 PassEnd = tuple[Mapping[Slot, float], Sequence[tuple[Problem, str]]]
@@ -513,18 +514,3 @@ def k_changed(old: int, new: int, position: int, where: str) -> str:
         " `on_train_batch_start` when `batch_idx % new_k == 0`, or in `on_train_epoch_start`, as"
         " `GradientAccumulationScheduler` does)."
     )
-
-
-__all__ = [
-    "Ended",
-    "MicroBatch",
-    "PassEnd",
-    "StepOutput",
-    "Window",
-    "check_global_count",
-    "in_filler_batch",
-    "k_changed",
-    "mismatch",
-    "scale_of",
-    "trained_twice_or_skipped",
-]

@@ -1,11 +1,4 @@
-"""``DenominatorMonitor``: log what denominator each optimizer step used, and catch a run drifting from a reference.
-
-The callback wires Lightning's hooks to what both monitors share (``_monitor.Monitoring``). Each window's numbers
-are a token-mean strategy's ``last_window`` (P more floats in its record, no collective of the monitor's own), or,
-under any other strategy, the monitor's own measurement of the window (a ``_window.Window`` fed by
-:func:`_measure`: one all-reduce per window, and a bad count raises the same :class:`~token_mean.DenominatorError` on
-every rank).
-"""
+"""``DenominatorMonitor``: log what denominator each optimizer step used, and catch a run drifting from a reference."""
 
 from __future__ import annotations
 
@@ -24,6 +17,7 @@ from typing_extensions import override
 
 from token_mean import _lightning
 from token_mean._audit import Objective, Recorded
+from token_mean._counts import count_valid_labels
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._layout import shared_world
@@ -31,7 +25,6 @@ from token_mean._monitor import Monitoring, audited, loss_and_aux, replayed
 from token_mean._problems import Problem
 from token_mean._record import Channel, Slot
 from token_mean._window import Window
-from token_mean._counts import count_valid_labels
 from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
@@ -42,34 +35,18 @@ BAR_LOSS, BAR_COUNT = "exact_loss", "N"
 class DenominatorMonitor(Monitoring, Callback):
     r"""Log, per optimizer step, the global denominator N the update used, and compare the run with a reference.
 
-    At the end of every accumulation window the monitor logs, under ``prefix``: ``global_count`` (N), the per-rank
-    counts' ``rank_count_min``/``max``/``mean``, ``window_length``, ``imbalance`` (max n_r / mean n_r),
-    ``naive_weight_error`` (max_r \|P·n_r/N − 1\|: how much a mean of rank means mis-weights a rank), the exact
-    token-mean ``loss`` (Σ loss sums / N), ``aux_loss`` when ``training_step`` returns one, ``items_per_sec``, and,
-    without a token-mean strategy, ``naive_loss`` (what plain DDP differentiated). Under a
-    :class:`~token_mean.TokenMeanStrategy` the numbers are the strategy's ``last_window``; under any other strategy
-    the monitor measures them itself (one all-reduce per window). Metrics go to ``trainer.loggers`` from rank zero
-    under the step Lightning logs the batch's own ``self.log`` values under, when Lightning logs them or every
-    ``logging_interval`` steps; the progress bar shows the step's exact loss and N.
+    Per window it logs N (``global_count``), the per-rank counts, the exact ``loss`` and the other metrics of
+    ``docs/monitor.md`` to ``trainer.loggers`` from rank zero, and shows the exact loss and N on the progress bar.
+    Under a :class:`~token_mean.TokenMeanStrategy` they are its ``last_window``, elsewhere measured (one all-reduce
+    per window). ``record`` writes a trace; ``reference`` compares each step with one.
 
-    ``record="ref.csv"`` (or ``.jsonl``) writes one trace row per step from rank zero (``step``, ``global_count``,
-    ``loss``, ``grad_norm`` before clipping, ``param_norm`` after the update, and for reading only ``world_size``,
-    ``window_length``, ``imbalance``, ``naive_weight_error``, ``audit_error``); ``reference="ref.csv"`` compares each
-    step with such a trace and reports the first step and quantity outside ``atol + rtol·|reference|``. Recording or
-    comparing costs one pass over the gradients and one over the parameters per step and one device-to-host copy.
-    The metrics and costs are detailed in ``docs/monitor.md``.
-
-    Args: as :class:`FabricMonitor`'s, the same names and defaults (``_monitor.Monitoring``). ``count_fn`` and
-    ``loss_reduction`` are the strategy's under a token-mean strategy; the audit replays ``training_step`` unless
-    ``audit_loss`` is given.
+    Args: those of ``_monitor.Monitoring``; under a token-mean strategy ``count_fn`` and ``loss_reduction`` are the
+    strategy's, and the audit replays ``training_step`` unless ``audit_loss`` is given.
 
     Raises:
         AuditError: with ``on_audit_failure="raise"``, at the first audited window whose gradient is wrong.
-        ValueError: at fit start, with ``audit_every``, for a model the replay cannot audit; if a setting is out of
-            range, a trace suffix is not ``.csv``/``.jsonl``/``.ndjson``, or ``record`` and ``reference`` are the same
-            file; at fit start, if the reference is malformed or covers a different number of optimizer steps.
-        TypeError: if ``count_fn`` is not callable.
         DivergenceError: with ``on_divergence="raise"``, at the first divergent step.
+        ValueError, TypeError: for a bad setting; at fit start, for a model the audit cannot replay or a bad reference.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -197,8 +174,7 @@ class DenominatorMonitor(Monitoring, Callback):
                 logger.log_metrics(metrics, step=step)
 
     def _window_stats(self, step: int) -> tuple[WindowStats | None, float | None]:
-        """The window that just ended: the strategy's (None, with a warning once, if it published none), or the
-        measured one with plain DDP's own loss."""
+        """The ended window, the strategy's (None, warned once, if unpublished) or the measured one with DDP's loss."""
         if self._strategy is None:
             window, self._measured = self._measured, None
             if window is None:

@@ -1,15 +1,10 @@
-"""The errors the package raises where a run would otherwise be silently wrong: each names what went wrong, where, and
-the fix, and is raised on every rank at once."""
+"""The errors raised where a run would otherwise be silently wrong, naming what, where and the fix."""
 
 from __future__ import annotations
 
 
 class DenominatorError(RuntimeError):
-    """A count or loss made the global token mean of an optimizer step undefined or wrong.
-
-    Raised on every rank at once, with the same message (the offending rank, the step and the fix), because the
-    problem travels in the same collective as the counts: no rank is left waiting in a collective.
-    """
+    """A count or loss made a step's global token mean undefined or wrong; raised on every rank with one message."""
 
 
 class AuditError(DenominatorError):
@@ -17,8 +12,7 @@ class AuditError(DenominatorError):
 
 
 class DivergenceError(RuntimeError):
-    """Raised by ``DenominatorMonitor(on_divergence="raise")`` (or ``FabricMonitor``) at the first step that diverges
-    from its reference."""
+    """Raised by a monitor with ``on_divergence="raise"`` at the first step that diverges from its reference."""
 
 
 __all__ = ["AuditError", "DenominatorError", "DivergenceError"]

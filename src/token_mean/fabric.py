@@ -1,32 +1,7 @@
 """``TokenMeanAccumulator``: the exact token mean in a hand-written Lightning Fabric loop (LitGPT's or torchtitan's).
 
-A Fabric loop that accumulates ``fabric.backward(loss / K)`` over K micro-batches optimizes a mean of means, as the
-Trainer does. The accumulator drives the same passes, windows and modes as the Trainer strategies; the loop changes
-in five lines:
-
-.. code-block:: python
-
-    accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, count_fn=count_shifted_labels)
-    for batch in accumulator.batches(train_dataloader):       # every rank yields as many (fillers: is_filler_batch)
-        with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
-            logits = model(batch["input_ids"])
-            loss = chunked_cross_entropy(logits[..., :-1, :], batch["labels"][..., 1:])
-            accumulator.backward(loss)                          # instead of fabric.backward(loss / K)
-        if not accumulator.accumulating:
-            stats = accumulator.finish()                        # DenominatorError on every rank; gradient final
-            if not stats.skipped:                               # N == 0 on every rank: no update
-                fabric.clip_gradients(model, optimizer, max_norm=1.0)
-                optimizer.step()
-            optimizer.zero_grad()
-
-Or one window at a time, in torchtitan's shape, over the very same pass: ``for window in
-accumulator.windows(loader): for batch in window: ...``, then ``window.finish()`` (see :meth:`~TokenMeanAccumulator.
-windows`).
-
-Supported strategies: one device, ``DDPStrategy`` (every launcher, ``torchrun`` too) and ``ModelParallelStrategy``
-(FSDP2 and tensor parallelism over Fabric's ``("data_parallel", "tensor_parallel")`` mesh). FSDP1 (``FSDPStrategy``)
-and DeepSpeed are refused: FSDP1 needs a GPU this package is not tested on, and Fabric's ``no_backward_sync`` does
-nothing under DeepSpeed.
+A loop that accumulates ``fabric.backward(loss / K)`` optimizes a mean of means; the accumulator changes it in five
+lines: see :class:`TokenMeanAccumulator` and ``docs/fabric.md`` (windows, checkpoints, supported strategies).
 """
 
 from __future__ import annotations
@@ -56,10 +31,8 @@ from token_mean.results import WindowStats
 class TokenMeanAccumulator:
     r"""Accumulate K micro-batches per rank into one exact token-mean gradient, in a Lightning Fabric loop.
 
-    Each window of K micro-batches per rank (a pass's last may be short) is normalized by its own N, as the Trainer
-    strategies do: the same modes, counts, checks and errors, one collective per window and no host read between its
-    first forward and its last backward. Every rank yields as many batches: a rank whose loader runs out repeats its
-    last batch at weight zero (:attr:`is_filler_batch`).
+    Each window of K micro-batches per rank (a pass's last may be short) is normalized by its own N as by the Trainer
+    strategies, at one collective per window; a rank whose loader runs out repeats its last batch at weight zero.
 
     Args:
         fabric, model: the launched ``Fabric``, and what its ``setup`` (or ``setup_module``) returned.
@@ -68,7 +41,8 @@ class TokenMeanAccumulator:
         monitor: a :class:`FabricMonitor` that logs every window and writes or compares a trace.
 
     Raises:
-        ValueError: for a bad setting, a model that ``fabric.setup`` did not return, or an unsupported strategy.
+        ValueError: for a bad setting, a model ``fabric.setup`` did not return, or another strategy than one device,
+            ``DDPStrategy`` and ``ModelParallelStrategy`` (FSDP1 and DeepSpeed are refused).
 
     Example:
         >>> import torch
@@ -129,20 +103,17 @@ class TokenMeanAccumulator:
         return self._passes.mode.skipped_steps
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
-        """One pass over ``iterable`` (what ``fabric.setup_dataloaders`` returned, or any iterable of batches): every
-        rank yields as many batches (one collective at the start agrees on the length)."""
+        """One pass over ``iterable`` (a Fabric loader or any iterable of batches); every rank yields as many."""
         return self._start(iterable, "batches")
 
     def windows(self, iterable: Iterable[Any]) -> Iterator[BatchWindow]:
-        """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape): ``for window in
-        accumulator.windows(loader): for batch in window: ...``, then ``window.finish()``."""
+        """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape)."""
         return _windows(self, self._start(iterable, "windows"))
 
     def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
                  **kwargs: Any) -> None:
-        """``fabric.backward`` of the micro-batch's ``loss`` (its mean over its valid items, or their sum) scaled for
-        the window's token mean; ``aux_loss``: a term averaged over the window's real micro-batches (lookahead);
-        ``num_items``: the micro-batch's count as the model computed it (checked; deferred mode normalizes by it)."""
+        """``fabric.backward`` of ``loss`` (a micro-batch's mean over valid items, or sum) scaled for the token mean;
+        ``aux_loss``: averaged over real micro-batches; ``num_items``: the model's count (checked; deferred uses it)."""
         micro = self._in_flight("`accumulator.backward(loss)`")
         if micro.backward_ran:
             raise RuntimeError(f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
@@ -153,9 +124,8 @@ class TokenMeanAccumulator:
         micro.backward_done()
 
     def finish(self) -> WindowStats:
-        """After the window's last backward: its stats (its one host read; the same
-        :class:`~token_mean.DenominatorError` on every rank if any had a problem). The gradient is then the window's
-        token mean; a window with N = 0 on every rank is ``skipped``: do not step the optimizer for it."""
+        """After the window's last backward: its stats (one host read; a :class:`~token_mean.DenominatorError` on every
+        rank if any had a problem). The gradient is then the token mean; do not step for a ``skipped`` window."""
         micro = self._in_flight("`accumulator.finish()`")
         if not micro.last or not micro.backward_ran or micro.window.ended:
             state = "is called twice" if micro.window.ended else "comes before the window's last backward"
@@ -172,8 +142,7 @@ class TokenMeanAccumulator:
         return stats
 
     def state_dict(self) -> dict[str, Any]:
-        """What resuming at a window boundary needs (the same on every rank): save it with the model and optimizer,
-        after ``finish()`` (a ``RuntimeError`` inside a window: no partial gradient is saved)."""
+        """What resuming needs (alike on every rank): save it after ``finish()``; a ``RuntimeError`` inside a window."""
         micro = self._micro
         if micro is not None and not micro.window.ended:
             raise RuntimeError("`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
@@ -182,15 +151,12 @@ class TokenMeanAccumulator:
         return {"mode": self._passes.mode.state_dict(), **self._progress.state_dict(in_flight)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Resume: the next ``batches(...)`` skips the batches the saved pass trained (in the same order; a loader from
-        ``fabric.setup_dataloaders`` gets its pass counter back). A ``ValueError`` for a checkpoint written in the
-        middle of a pass by another number of processes."""
+        """Resume: the next ``batches(...)`` skips what the saved pass trained (the loader must repeat its order). A
+        ``ValueError`` for a checkpoint written mid-pass by another number of processes."""
         self._progress.load_state_dict(state)
         self._passes.mode.load_state_dict(state["mode"])
         if self._monitor is not None:
             self._monitor.resume_at(self._progress.windows)
-
-    # ---- the pass ----
 
     def _in_flight(self, what: str) -> MicroBatch:
         if self._micro is None:
@@ -244,7 +210,6 @@ class TokenMeanAccumulator:
         return epoch, move, start
 
     def _previous_batch_done(self) -> None:
-        """The loop asks for the next batch: the one before ran its backward (and finished its window)."""
         micro = self._micro
         if micro is not None:
             _check_done(micro)
@@ -257,9 +222,8 @@ class TokenMeanAccumulator:
 
 
 class BatchWindow:
-    """One window of :meth:`TokenMeanAccumulator.windows`: iterate it once for its batches (each through
-    ``accumulator.backward(loss)``), then :meth:`finish` it. Its iteration ends with the window's last batch, before
-    the pass reads the next one."""
+    """One window of :meth:`TokenMeanAccumulator.windows`: iterate it once (a ``RuntimeError`` twice) for its batches,
+    each through ``accumulator.backward(loss)``, then :meth:`finish` it (``docs/fabric.md``)."""
 
     def __init__(self, accumulator: TokenMeanAccumulator, first: Any, following: Iterator[Any]) -> None:
         self._accumulator = accumulator
@@ -272,11 +236,7 @@ class BatchWindow:
         return self._accumulator.accumulating
 
     def finish(self) -> WindowStats:
-        """``accumulator.finish()``, after the window's last backward: its stats (then step, unless ``skipped``).
-
-        Raises:
-            RuntimeError: before the window yielded its last batch, or as ``accumulator.finish()`` does.
-        """
+        """``accumulator.finish()``, after the window's last backward; a ``RuntimeError`` before its last batch."""
         self._accumulator._window_left()
         return self._accumulator.finish()
 
@@ -306,7 +266,6 @@ def _windows(accumulator: TokenMeanAccumulator, batches: Generator[Any, None, No
 
 
 def _check_done(micro: MicroBatch) -> None:
-    """The loop asks for the batch after ``micro``, which must have run its backward (and finished its window)."""
     if not micro.backward_ran:
         raise RuntimeError(
             f"`accumulator.backward(loss)` was not called for batch {micro.position}: every batch the accumulator"
@@ -320,7 +279,6 @@ def _check_done(micro: MicroBatch) -> None:
 
 
 def _check_window_left(micro: MicroBatch) -> None:
-    """A window of ``windows(...)`` is finished or left, at ``micro``: only after its last batch."""
     if not micro.last:
         raise RuntimeError(
             f"A window of `accumulator.windows(...)` was finished or left at batch {micro.position}, before its last"
@@ -330,8 +288,7 @@ def _check_window_left(micro: MicroBatch) -> None:
 
 
 def _check_sync(flags: Sequence[bool], micro: MicroBatch) -> None:
-    """The model reduces the gradient in the window's last backward, and only there (the host-side flags the next
-    backward will use)."""
+    """The next backward reduces the gradient (by its host-side flags) if and only if it is the window's last."""
     if flags and set(flags) != {micro.last}:
         wrong = "would not reduce the window's gradient" if micro.last else "would reduce it mid-window"
         raise RuntimeError(
@@ -376,10 +333,8 @@ Gradients = list[tuple["weakref.ref[Tensor]", int]]
 
 
 def _reader(iterable: Iterable[Any], start: int, reads_ahead: bool) -> tuple[Reader, Callable[[Any], Any], bool]:
-    """A pass's reader from position ``start`` (a resumed pass skips the batches it had trained), what moves a batch
-    to the device as the loop takes it, and whether this rank's loader had already run out (its last batch is then
-    repeated at weight zero). Lookahead reads from a Fabric loader the host batches beneath it and counts them
-    there (a count of a device batch would be a host read inside the window), moving each as the loop takes it."""
+    """A pass's reader from ``start``, what moves a batch to the device as the loop takes it, and whether the loader
+    had run out. Lookahead reads a Fabric loader's host batches: counting a device batch would be a host read."""
     move: Callable[[Any], Any] = _unchanged
     host = _lightning.fabric_host_batches(iterable) if reads_ahead else None
     if host is not None:
@@ -393,8 +348,7 @@ def _reader(iterable: Iterable[Any], start: int, reads_ahead: bool) -> tuple[Rea
 
 def _where_left(micro: MicroBatch | None, completed: bool, accumulate: int,
                 model: Any) -> tuple[int | None, int | None, Gradients | None]:
-    """How a pass ended (``Progress.left``): its loader ran out, or the loop left it at a window boundary (the
-    position to resume at) or inside a window (there, with the partial gradient the parameters hold)."""
+    """How a pass ended (``Progress.left``): run out, left at a window boundary, or inside one (with its gradients)."""
     if micro is None or completed:
         return None, None, None
     if micro.last and micro.window.ended:  # its window was finished
@@ -406,10 +360,8 @@ def _where_left(micro: MicroBatch | None, completed: bool, accumulate: int,
 
 
 def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any) -> None:
-    """The last pass ended inside a window: its partial gradient must not go into the next window's update. A
-    gradient set to None or zeroed in place since (``zero_grad(set_to_none=False)``) is no partial window: judged by
-    version counters, the same on every rank that ran the same loop (a look at the values would not be: a rank of
-    fillers holds zeros). FSDP2 holds the partial gradient unsharded, out of the user's reach: it is dropped."""
+    """A partial window's gradient must not go into the next update, unless zeroed since: judged by version counters,
+    alike on every rank (values would not be: a rank of fillers holds zeros). FSDP2's unsharded copy is dropped."""
     if abandoned is None:
         return
     position, gradients = abandoned
@@ -436,8 +388,7 @@ def _length(iterable: Iterable[Any]) -> int | None:
 
 
 def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any]]:
-    """Skip ``count`` items: ``(the last item, iterator)`` when the iterator ran out by then (the item a filler
-    repeats), else ``(None, the items after them)``."""
+    """Skip ``count`` items: ``(the last, iterator)`` if it ran out (a filler repeats that), else ``(None, rest)``."""
     last = None
     for _ in range(count):
         try:

@@ -1,8 +1,4 @@
-"""``FabricMonitor``: what ``DenominatorMonitor`` is to the Trainer, for a Lightning Fabric loop.
-
-It logs each window of a :class:`~token_mean.fabric.TokenMeanAccumulator`, writes or compares its trace, and audits
-windows (``docs/audit.md``), of the accumulator's loop or of a plain one (LitGPT's ``fabric.backward(loss / K)``).
-"""
+"""``FabricMonitor``: what ``DenominatorMonitor`` is to the Trainer, for a Lightning Fabric loop."""
 
 from __future__ import annotations
 
@@ -13,11 +9,11 @@ from torch import nn
 
 from token_mean import _lightning
 from token_mean._audit import Objective
+from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import global_norm, grad_norm
 from token_mean._layout import World, shared_world
 from token_mean._monitor import Monitoring, audited, replayed
 from token_mean._settings import Settings
-from token_mean._counts import count_valid_labels
 from token_mean.results import Audit, WindowStats
 
 _PLAIN_LOOP_UNSEEN = (
@@ -33,21 +29,18 @@ _ACCUMULATED_UNSEEN = (
 
 
 class FabricMonitor(Monitoring):
-    """Log every window of a :class:`~token_mean.fabric.TokenMeanAccumulator` and write or compare its trace, as
-    :class:`~token_mean.DenominatorMonitor` does under the Trainer: the same arguments and defaults, metrics, trace
-    columns and comparison.
+    """What :class:`~token_mean.DenominatorMonitor` is to the Trainer, for a Fabric loop (``docs/fabric.md``): the same
+    arguments (``_monitor.Monitoring``), metrics (via ``fabric.log_dict``), trace and comparison. With ``audit_every``,
+    ``accumulator.finish()`` audits; a loop without the accumulator calls :meth:`micro_batch` before each forward and
+    :meth:`audit` after a window's last backward (give the monitor ``count_fn``).
 
-    Metrics go through ``fabric.log_dict`` from rank zero under the window's step (windows finished before it), every
-    window or every ``logging_interval`` windows; ``grad_norm`` is taken in ``finish()`` (before clipping),
-    ``param_norm`` after the optimizer step (when the loop asks for the next batch). The reference is read here.
+    Raises:
+        ValueError, TypeError: for a setting out of range, or ``audit_every`` without ``audit_loss``.
 
-    With ``audit_every``, ``finish()`` audits the first window and every N-th after it and puts the figure on its
-    ``WindowStats.audit_error``; ``audit_loss(model, batch)`` is then required. A loop without the accumulator is
-    audited by calling :meth:`micro_batch` before each micro-batch's forward and :meth:`audit` after the window's last
-    backward, before clipping and the step; ``count_fn`` and ``loss_reduction`` are then the audit's (with the
-    accumulator, its own).
-
-    Args: as :class:`~token_mean.DenominatorMonitor`'s (``_monitor.Monitoring``).
+    Example:
+        >>> monitor = FabricMonitor(record="runs/trace.csv")  # then TokenMeanAccumulator(..., monitor=monitor)
+        >>> monitor.fingerprints
+        True
     """
 
     def _constructed(self) -> None:
@@ -68,8 +61,7 @@ class FabricMonitor(Monitoring):
         self._started = False
 
     def attach(self, model: Any, settings: Settings | None = None, world: World | None = None) -> None:
-        """The model ``fabric.setup`` returned (with the accumulator's settings and the ranks that share its N);
-        a ``ValueError`` if it cannot be audited."""
+        """The model ``fabric.setup`` returned (else a ``ValueError``), with the accumulator's settings and ranks."""
         if not self._auditor.enabled:
             return
         modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)

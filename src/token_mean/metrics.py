@@ -17,40 +17,16 @@ _STATES = ("loss_sum", "count")
 
 
 class TokenMeanLoss(Metric):
-    """The mean loss over every valid item seen, summed over batches and ranks before dividing.
+    """The mean loss over every valid item seen: Σ loss sums / Σ counts over batches and ranks.
 
-    ``self.log("val_loss", loss, sync_dist=True)`` averages per-batch means within a rank (weighted by batch size) and
-    then takes a plain mean of the rank means, so ranks and batches with few valid tokens weigh as much as full ones.
-    This metric keeps two states, Σ loss sums and Σ counts, both reduced with SUM across ranks by torchmetrics, and
-    divides once in ``compute``: the exact global token mean. The states are float64 whatever the module's precision
-    (``Trainer(precision="bf16-true")`` moves modules to bfloat16, which counts exactly only up to 256), so integer
-    counts stay exact up to 2**53.
+    ``self.log(..., sync_dist=True)`` takes a plain mean of per-rank means, so sparse batches weigh as much as full
+    ones; this metric keeps both sums as float64 states (exact counts up to 2**53 in any precision), SUM-reduced by
+    torchmetrics, and divides once in ``compute`` (NaN if nothing was counted). ``update`` never syncs. Exact across
+    ranks only if every item is evaluated once (``ExactDistributedSampler``, not ``DistributedSampler``). Log it as
+    ``self.log("val_loss", self.val_loss, on_epoch=True)`` after ``self.val_loss.update(loss, count)``.
 
-    ``update`` never moves a value to the host, keeps no autograd graph, and lets an entry without valid items add
-    nothing even though its mean loss is NaN (0/0). ``compute`` is NaN when no valid item was seen at all, like
-    ``F.cross_entropy`` of a batch without targets.
-
-    Exact across ranks only if every item is evaluated once: Lightning's default validation sampler
-    (``DistributedSampler``) repeats items to even the ranks out, which counts them twice. See the README's
-    "Validation loss" for the sampler to use.
-
-    Use it in place of the logged tensor, and Lightning computes (and syncs) it at the end of the epoch::
-
-        def __init__(self):
-            ...
-            self.val_loss = TokenMeanLoss()
-
-        def validation_step(self, batch, batch_idx):
-            loss = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
-            self.val_loss.update(loss, count_valid_labels(batch))
-            self.log("val_loss", self.val_loss, on_epoch=True)
-
-    Args:
-        loss_reduction: ``"mean"`` if ``update`` gets mean losses, ``"sum"`` if it gets loss sums.
-        kwargs: passed to :class:`torchmetrics.Metric` (``sync_on_compute``, ``process_group``, ...).
-
-    Raises:
-        ValueError: if ``loss_reduction`` is neither ``"mean"`` nor ``"sum"``.
+    ``loss_reduction`` says whether ``update`` gets mean losses or sums (``ValueError`` for anything else); other
+    keyword arguments go to :class:`torchmetrics.Metric`.
 
     Example:
         >>> metric = TokenMeanLoss()
@@ -59,8 +35,6 @@ class TokenMeanLoss(Metric):
         >>> metric.update(torch.tensor(6.0), 1)
         >>> metric.compute()  # (2·3 + 6·1) / 4, where a mean of batch means gives 4
         tensor(3., dtype=torch.float64)
-        >>> metric.loss_sum, metric.count
-        (tensor(12., dtype=torch.float64), tensor(4., dtype=torch.float64))
     """
 
     is_differentiable = False
@@ -84,14 +58,10 @@ class TokenMeanLoss(Metric):
 
     @override
     def update(self, value: float | Tensor, weight: float | Tensor | None = None) -> None:
-        """Add a batch: ``value`` is its loss (mean or sum, see ``loss_reduction``), ``weight`` its valid items.
+        """Add a batch's loss ``value`` (mean or sum) and its count ``weight``: scalars, or one count per loss.
 
-        Both may be scalars, or tensors of one shape: one count per loss (e.g. per sequence). An entry whose count is
-        0 adds nothing, whatever its loss. Inside the ``training_step`` of a zero-weight filler (the repeated batch of
-        an exhausted rank under :class:`~token_mean.TokenMeanDDPStrategy`) the update is ignored.
-
-        Raises:
-            ValueError: if ``weight`` (the count) is missing or its shape differs from the loss's.
+        A count of 0 adds nothing, whatever its loss; a zero-weight filler batch is ignored. Raises ``ValueError``
+        if the count is missing or its shape differs from the loss's.
         """
         if in_filler_batch():
             return  # a repeat of a real batch, already counted once
@@ -119,8 +89,7 @@ class TokenMeanLoss(Metric):
 
     @override
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Module:
-        # `Module.to(dtype)` reaches the states through torchmetrics (only .half()/.float()/... are guarded): move
-        # them, but keep them float64 so the sums stay exact.
+        # `Module.to(dtype)` reaches the states (torchmetrics guards only .half()/...): keep them float64, exact.
         module = super()._apply(fn, exclude_state)
         for name in _STATES:
             default = self._defaults.get(name)

@@ -22,59 +22,20 @@ _PASSED_THROUGH = named_parameters(ModelParallelStrategy.__init__)
 
 
 class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
-    r"""Lightning's ``ModelParallelStrategy`` (FSDP2 × tensor parallelism) optimizing the mean loss over all valid
-    items of each optimizer step.
+    r"""Lightning's ``ModelParallelStrategy`` (FSDP2 × TP) optimizing the mean loss over each step's valid items.
 
-    The same objective, modes, counts, errors and :class:`~token_mean.WindowStats` as
-    :class:`~token_mean.TokenMeanDDPStrategy` (see there), on Lightning's ``("data_parallel", "tensor_parallel")``
-    device mesh. You apply the parallelism in ``configure_model`` as for ``ModelParallelStrategy``: tensor
-    parallelism over ``self.device_mesh["tensor_parallel"]``, then ``fully_shard(..., mesh=self.device_mesh[
-    "data_parallel"])``. What differs from DDP:
-
-    - **Whose counts add up.** The ranks of one tensor-parallel group train on the same batches, so N sums the counts
-      over the data-parallel ranks only (P = the data-parallel size): the window's record is all-reduced over the
-      data-parallel group. Summing over all ranks would over-count N by the tensor-parallel size.
-    - **Tensor-parallel ranks must count alike.** Each window, the counts of its micro-batches are compared over the
-      tensor-parallel group (one MAX all-reduce of 2·K float64; exact for any float count; none without tensor
-      parallelism). A difference is a flag in the window's record, so every rank raises the same
-      :class:`~token_mean.DenominatorError` before the optimizer step, instead of silently over-counting. Ranks named
-      in such errors are data-parallel ranks.
-    - **How the scale reaches the gradient.** ``fully_shard`` reduce-scatters every micro-batch's gradient and
-      divides it by P (its default ``gradient_divide_factor``, in any ``reduce_dtype``; Lightning does not use
-      ``no_sync`` here). ``"lookahead"`` scales each micro-batch's loss by P·n/N before its backward, as under
-      DDP: FSDP2's mean then gives Σ∇(loss sums)/N exactly, with nothing added to the backward. ``"deferred"``
-      back-propagates loss sums over a provisional D, so the sharded gradients hold Σ∇(loss sums)/(P·D) after the
-      window's last backward; one ``torch._foreach_mul_`` of this rank's local shards by P·D/N (a device tensor
-      that waits for the window's all-reduce on the device: no host read) makes them exact, after the closure and
-      before clipping, AMP's unscale and ``on_before_optimizer_step``. That pass touches 1/P of the gradients.
-      Setting FSDP2's divide factor instead would need N as a host float before every micro-batch's reduce-scatter,
-      which deferred mode does not have: the multiplication is the exact and cheap choice. Because FSDP2 mixes the
-      ranks' gradients before that factor, D must be the same on every rank: the run's first window agrees on it
-      with one all-reduce of one float (later windows use the previous window's N/P, which every rank has).
-    - The strategy relies on FSDP2's default mean: a module with ``set_gradient_divide_factor`` or sharded over
-      another number of ranks than the data-parallel size is an error in ``setup``.
-
-    A ``training_step`` that returns no loss back-propagates a zero made of the outputs of the outermost sharded
-    modules it ran instead (FSDP2's backward collectives hang on them), so every rank raises the same error at the
-    window's end; only a step that ran no sharded module raises at once on its own rank, the others then failing at
-    the process group's ``timeout``.
-
-    Per window this costs what the DDP strategy costs (one all-reduce of a small record, over the data-parallel
-    group, read on the host once after the last backward), plus the tensor-parallel count check above and, in
-    deferred mode, the multiplication of the local gradient shards.
+    :class:`~token_mean.TokenMeanDDPStrategy`'s objective, modes, counts and errors on Lightning's device mesh (apply
+    the parallelism in ``configure_model``). N sums the counts over the data-parallel ranks; the tensor-parallel ranks
+    must count alike (one MAX all-reduce of 2·K floats per window). Details: ``docs/model_parallel.md``.
 
     Args:
         count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`.
-        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`
-            (``data_parallel_size``, ``tensor_parallel_size``, ``save_distributed_checkpoint``,
-            ``process_group_backend``, ``timeout``).
+        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.ModelParallelStrategy`.
 
     Raises:
-        TypeError: for an argument ``ModelParallelStrategy`` does not take (a ``Trainer`` argument such as
-            ``accumulate_grad_batches`` goes to the ``Trainer``).
-        ValueError: for an unknown ``mode`` or ``loss_reduction`` or a ``count_fn`` that is not callable; in
-            ``setup``, for an FSDP2 module with its own gradient divide factor or sharded over a mesh other than the
-            data-parallel one.
+        ValueError, TypeError: as for ``TokenMeanDDPStrategy``; in ``setup``, for a module sharded over another mesh
+            than the data-parallel one or with ``set_gradient_divide_factor``.
+        DenominatorError: on every rank at a window's end, if the tensor-parallel ranks count differently.
 
     Example:
         >>> import lightning.pytorch as pl
@@ -129,8 +90,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
 
     @override
     def _stand_in_loss(self) -> Tensor:
-        # FSDP2's backward hooks hang on the forward's outputs: a zero made of them runs every collective of the
-        # backward, so this rank stays in step until the window's record makes every rank raise
+        # a zero made of the outputs runs FSDP2's backward collectives: this rank stays in step until all raise
         loss = None if self._outputs is None else self._outputs.stand_in_loss()
         if loss is None:
             raise ValueError(
@@ -143,8 +103,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
-        # ModelParallelStrategy restores after setup and never calls `load_optimizer_state_dict`: the metadata
-        # returned here is what the loops are restored from next, so this rank's loader position goes in there.
+        # restored after setup, never through `load_optimizer_state_dict`: the loops restore from what is returned
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
         has_loader_states = _lightning.checkpoint_loader_states(checkpoint) is not None
         own = self._restore_token_mean_state(checkpoint, has_loader_states)

@@ -1,22 +1,12 @@
-"""Draw a run's ``DenominatorMonitor`` trace, alone or against a reference's, as the demo's figure does.
+"""Draw a run's ``DenominatorMonitor`` trace, alone or against a reference's (docs/monitor.md)::
 
-Record the runs with ``DenominatorMonitor(record=...)``, then::
+    python -m token_mean.plot runs/scaled/trace.csv                      # loss, N and imbalance per step
+    python -m token_mean.plot runs/scaled/trace.csv runs/reference/trace.csv -o compare.png --rtol 1e-5
 
-    python -m token_mean.plot runs/scaled/trace.csv                      # one run: loss, N and imbalance per step
-    python -m token_mean.plot runs/scaled/trace.csv runs/reference/trace.csv -o compare.png
-    python -m token_mean.plot run.jsonl reference.jsonl --rtol 1e-5 --atol 1e-7
-
-Curves are labelled by their run folder (every recorded trace is called ``trace.csv``), or by file name where the
-folders do not tell them apart. With one trace the three panels are its loss, N and imbalance (max n_r / mean n_r)
-per optimizer step. With a reference:
-
-three panels share the optimizer step: the loss of both runs; |Δ loss| on a log scale with the monitor's tolerance
-``atol + rtol·|reference loss|``; and N, the global count, of both runs. The first divergent step, judged as
-``DenominatorMonitor(reference=...)`` judges it (N within a relative 1e-9, then loss, gradient norm and parameter norm
-within the tolerance), is marked on every panel and printed. Without ``-o`` the figure goes beside RUN, as a ``.png``.
-
-Exit status: 0 when the figure is written (whether or not the runs diverge), 1 when a trace cannot be read, the traces
-share no step, matplotlib is missing or the figure cannot be written, 2 for bad arguments.
+Against a reference: both losses, |Δ loss| with the monitor's tolerance, and both runs' N, with the first divergent
+step (judged as ``DenominatorMonitor(reference=...)`` judges it) marked and printed. The figure defaults to RUN as a
+``.png``. Exit status: 0 when the figure is written, 1 when a trace, matplotlib or the figure fails, 2 for bad
+arguments.
 """
 
 from __future__ import annotations
@@ -35,22 +25,14 @@ from token_mean._trace import TraceComparison, TraceRow, read_trace
 DEFAULT_RTOL = 1e-4
 """``DenominatorMonitor``'s default ``rtol`` (a test keeps them equal)."""
 DEFAULT_ATOL = 1e-6
-"""``DenominatorMonitor``'s default ``atol``."""
 FIGURE_SUFFIXES = (".png", ".pdf", ".svg")
 """Formats matplotlib's Agg backend writes without extra packages."""
 
 
 @dataclass(frozen=True)
 class Comparison:
-    """Where two traces agree and where they first part.
-
-    Attributes:
-        steps: the steps both traces hold, in order.
-        divergent_step: the first of them outside the tolerance, ``None`` if none.
-        quantity: the first column that differs there (``global_count``, ``loss``, ``grad_norm`` or ``param_norm``).
-        only_in_run: how many of the run's steps the reference lacks.
-        only_in_reference: how many of the reference's steps the run lacks.
-    """
+    """Where two traces agree and where they first part: the common ``steps`` in order, the first step outside the
+    tolerance and its first differing column (``None`` if none), and how many steps only one trace holds."""
 
     steps: list[int]
     divergent_step: int | None
@@ -60,7 +42,7 @@ class Comparison:
 
 
 def compare_traces(run: dict[int, TraceRow], reference: dict[int, TraceRow], rtol: float, atol: float) -> Comparison:
-    """Compare two traces step by step, in ``COMPARED_COLUMNS`` order, as the monitor does during a replay.
+    """Compare two traces (step → row, as :func:`read_trace` gives them) step by step, as the monitor does.
 
     Example:
         >>> reference = {0: {"global_count": 8.0, "loss": 2.0, "grad_norm": 1.0, "param_norm": 5.0},
@@ -103,13 +85,10 @@ def plot_traces(
     rtol: float = DEFAULT_RTOL,
     atol: float = DEFAULT_ATOL,
 ) -> Comparison:
-    """Read both traces, draw them into ``output`` and return their comparison.
+    """Read both traces, draw them into ``output`` and return their :class:`Comparison`.
 
-    Raises:
-        FileNotFoundError, IsADirectoryError, ValueError: from :func:`~token_mean._trace.read_trace` for a trace
-            that cannot be read, naming its file and line.
-        ValueError: if the traces share no step, or ``output``'s suffix is not one of ``FIGURE_SUFFIXES``.
-        ModuleNotFoundError: if matplotlib is not installed, saying how to install it.
+    Raises what :func:`~token_mean._trace.read_trace` raises; ``ValueError`` if the traces share no step or
+    ``output`` is not one of ``FIGURE_SUFFIXES``; ``ModuleNotFoundError`` without matplotlib.
     """
     output = Path(output)
     if output.suffix.lower() not in FIGURE_SUFFIXES:
@@ -168,10 +147,8 @@ def _draw(
 
 
 def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
-    """Draw one trace into ``output``: its loss, N and imbalance per step; returns how many steps it holds.
-
-    Raises: as :func:`plot_traces`, for the one trace.
-    """
+    """Draw one trace's loss, N and imbalance per step into ``output``; return its number of steps (raises as
+    :func:`plot_traces`)."""
     output = Path(output)
     if output.suffix.lower() not in FIGURE_SUFFIXES:
         raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")

@@ -1,5 +1,4 @@
-"""What the package reports about a run: each window's denominator and loss (:class:`WindowStats`), each audited
-window (:class:`Audit`), and the first step that diverges from a reference trace (:class:`Divergence`)."""
+"""What the package reports about a run: windows (:class:`WindowStats`), audits and divergences."""
 
 from __future__ import annotations
 
@@ -9,28 +8,19 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class WindowStats:
-    """The denominator and loss of one optimizer step.
-
-    A token-mean strategy publishes one of these as ``strategy.last_window`` after the last micro-batch of each
-    accumulation window (before ``on_before_optimizer_step``), so callbacks can log exactly what the update used;
-    ``TokenMeanAccumulator.finish()`` returns it. Every field but ``local_count`` is identical on every rank. Counts are
-    floats because an item can be a sample weight; integer counts are exact in float64 up to 2**53.
+    """The denominator and loss of one optimizer step, as ``strategy.last_window`` (before the optimizer step) or
+    ``TokenMeanAccumulator.finish()`` gives it. All fields but ``local_count`` agree on every rank.
 
     Attributes:
-        global_count: N, the valid items of the window summed over all ranks and micro-batches.
-        local_count: n_r, this rank's valid items in the window (differs between ranks).
-        rank_counts: n_r for every rank, indexed by rank; ``None`` unless asked for (they cost P floats per window in
-            the collective: ``strategy.track_rank_counts()``, which ``DenominatorMonitor`` calls).
-        window_length: micro-batches in the window (shorter than K for a partial last window), zero-weight fillers of
-            exhausted ranks included.
-        loss: the exact global mean loss of the window, Σ loss sums / N; ``None`` when N = 0.
-        skipped: True when N = 0 on every rank: no update, no state changed.
-        mode: how the count reached the gradient: ``"lookahead"`` or ``"deferred"``; ``"none"`` for a window that
-            ``DenominatorMonitor`` measured under a strategy that does not normalize it.
-        aux_loss: the mean of the ``"aux_loss"`` terms over the window's real micro-batches on all ranks, when
-            ``training_step`` returns one; else ``None``.
-        audit_error: the objective audit's ‖g − g*‖ / ‖g*‖ of the window (``FabricMonitor(audit_every=...)``);
-            ``None`` when the window was not audited or had nothing to compare (N = 0).
+        global_count: N, the window's valid items over all ranks and micro-batches (float: items may be weights).
+        local_count: n_r, this rank's valid items in the window.
+        rank_counts: n_r per rank; ``None`` unless ``strategy.track_rank_counts()`` (P floats per window).
+        window_length: micro-batches in the window, zero-weight fillers included.
+        loss: the exact global mean loss, Σ loss sums / N; ``None`` when N = 0.
+        skipped: True when N = 0 on every rank: no update.
+        mode: ``"lookahead"``, ``"deferred"``, or ``"none"`` (measured under a strategy that does not normalize).
+        aux_loss: the mean ``"aux_loss"`` over the window's real micro-batches, else ``None``.
+        audit_error: the audit's ‖g − g*‖ / ‖g*‖; ``None`` when not audited or N = 0.
 
     Example:
         >>> stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
@@ -71,15 +61,8 @@ class WindowStats:
 
 @dataclass(frozen=True)
 class Audit:
-    """One audited window.
-
-    Attributes:
-        step: the optimizer step (as ``trainer.global_step`` before the update).
-        error: ‖g − g*‖ / ‖g*‖, the largest over the ranks; ``None`` when the window had no valid item on any rank
-            (N = 0: no objective, nothing to compare).
-        tolerance: the largest error that passes.
-        passed: ``error <= tolerance`` (True when there was nothing to compare).
-    """
+    """One audited window: its ``step`` (``trainer.global_step`` before the update), the ``error`` ‖g − g*‖ / ‖g*‖
+    (largest over ranks; ``None`` when N = 0), the ``tolerance``, and whether it ``passed`` (True if N = 0)."""
 
     step: int
     error: float | None
@@ -89,15 +72,8 @@ class Audit:
 
 @dataclass(frozen=True)
 class Divergence:
-    """The first quantity of one optimizer step that differs from the reference trace.
-
-    Attributes:
-        step: the optimizer step's 0-based index (the ``step`` its metrics are logged under).
-        quantity: the trace column that differs: ``global_count``, ``loss``, ``grad_norm`` or ``param_norm``.
-        value: the value in this run (``None`` where it was undefined).
-        reference: the value in the reference trace.
-        message: says which quantity diverged, both values and the likely cause.
-    """
+    """The first ``quantity`` (trace column) of optimizer ``step`` that differs from the reference: its ``value``
+    here (``None`` if undefined), the ``reference`` value, and a ``message`` with both and the likely cause."""
 
     step: int
     quantity: str

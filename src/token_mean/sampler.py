@@ -11,28 +11,12 @@ from torch.utils.data import DistributedSampler
 
 
 class ExactDistributedSampler(DistributedSampler[int]):
-    """Split a map-style dataset over ranks without repeating items.
+    """Give rank r the items ``r, r + P, r + 2P, ...`` of a sized dataset's (shuffled) order, repeating none.
 
-    :class:`torch.utils.data.DistributedSampler` evens the ranks out by repeating items from the start of the
-    dataset, which silently counts them twice in the objective (or drops the tail with ``drop_last=True``). This
-    sampler gives rank r the items ``r, r + P, r + 2P, ...`` of the (optionally shuffled) order, so the ranks'
-    lengths differ by at most one item; :class:`~token_mean.TokenMeanDDPStrategy` (``pad_uneven_ranks=True``,
-    the default) lets the shorter ranks contribute zero-weight batches, which keeps the objective exact.
-
-    It is a :class:`~torch.utils.data.DistributedSampler`, so Lightning keeps it as it is under its default
-    ``use_distributed_sampler=True`` (Lightning re-shards any other sampler, which would split the shards again):
-    pass it to your ``DataLoader`` in ``train_dataloader`` (or ``val_dataloader``, for an exact validation mean with
-    :class:`~token_mean.TokenMeanLoss`).
-
-    Args:
-        dataset: a sized dataset.
-        num_replicas: P; defaults to the process group's world size.
-        rank: this rank; defaults to the process group's rank.
-        shuffle: shuffle the order every epoch (call :meth:`set_epoch`; Lightning does).
-        seed: the shuffle's seed, identical on every rank.
-
-    Raises:
-        ValueError: if ``rank`` is not in ``[0, num_replicas)``.
+    ``DistributedSampler`` repeats items to even the ranks out, counting them twice; here ranks differ by at most
+    one item, which ``pad_uneven_ranks`` fills with zero-weight batches. Being a ``DistributedSampler``, Lightning
+    keeps it as given. ``num_replicas`` and ``rank`` default to the process group's; ``shuffle`` reorders every
+    epoch by ``seed`` and :meth:`set_epoch`. Raises ``ValueError`` if ``rank`` is not in ``[0, num_replicas)``.
 
     Example:
         >>> [list(ExactDistributedSampler(range(5), num_replicas=2, rank=r, shuffle=False)) for r in (0, 1)]

@@ -26,7 +26,7 @@ from typing_extensions import override
 
 from token_mean import _lightning
 from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
-from token_mean._epoch import Passes
+from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, layout, stand_in_loss
 from token_mean._modes import make_mode
@@ -55,6 +55,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._check_kwargs(kwargs)
         super().__init__(**kwargs)
         self._passes: Passes | None = None  # the fit's passes over the training batches (and its mode), from `setup`
+        self._fitting: pl.Trainer | None = None  # the trainer of the fit, from `setup`
         self._micro: MicroBatch | None = None  # the micro-batch in flight, until its window's optimizer step
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
@@ -120,7 +121,7 @@ class TokenMeanStrategy(ParallelStrategy):
         if self.model is None:
             raise RuntimeError("token_mean: internal error: no model at fit start.")
         mode = make_mode(self._settings, self._layout(self.model), self._track_rank_counts)
-        self._passes = Passes(mode, self._settings.pad_uneven_ranks, "epoch")
+        self._passes, self._fitting = Passes(mode, self._settings.pad_uneven_ranks, "epoch"), trainer
         _lightning.read_through(trainer, self._passes)
         self._unwrap_hook = _lightning.refuse_early_epoch_end(trainer.lightning_module, self._left_early)
 
@@ -138,19 +139,20 @@ class TokenMeanStrategy(ParallelStrategy):
             " returning -1."
         )
 
-    def _normalizing(self) -> Passes | None:
-        """The fit's passes, but not in an epoch without backward passes (SWA's BatchNorm epoch): plain DDP there."""
-        passes = self._passes
-        if passes is None or _lightning.skips_backward(self._trainer()):
+    def _normalizing(self) -> tuple[pl.Trainer, Epoch] | None:
+        """The fit's trainer and current pass, but not in an epoch without backward passes (SWA's BatchNorm epoch,
+        which runs as plain DDP)."""
+        passes, trainer = self._passes, self._fitting
+        if passes is None or trainer is None or passes.current is None or _lightning.skips_backward(trainer):
             return None
-        return passes
+        return trainer, passes.current
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
-        passes = self._normalizing()
-        if passes is None or passes.current is None:
+        fit = self._normalizing()
+        if fit is None:
             return super().training_step(*args, **kwargs)
-        trainer, epoch = self._trainer(), passes.current
+        trainer, epoch = fit
         position = _lightning.batch_position(trainer)
         micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
         if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
@@ -171,7 +173,8 @@ class TokenMeanStrategy(ParallelStrategy):
         if micro.last:  # the window's one host read: every rank raises before the update, even if an
             # `optimizer_step` override skips the step
             self._last_window = passes.current.end_window()
-            _lightning.follow(self._trainer(), passes.current)  # a stream goes on, or ends
+            if self._fitting is not None:
+                _lightning.follow(self._fitting, passes.current)  # a stream goes on, or ends
         return loss
 
     @override
@@ -206,7 +209,7 @@ class TokenMeanStrategy(ParallelStrategy):
         return module
 
     def _trainer(self) -> pl.Trainer:
-        return self._module().trainer
+        return self._fitting if self._fitting is not None else self._module().trainer
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
@@ -294,57 +297,43 @@ _PASSED_THROUGH = named_parameters(DDPStrategy.__init__) | named_parameters(
 class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     r"""DDP with gradient accumulation that optimizes the mean loss over all valid items of each optimizer step.
 
-    Plain DDP with ``accumulate_grad_batches=K`` optimizes a mean of means: every micro-batch's mean loss is divided
-    by K and DDP averages the P ranks, so an item in a small micro-batch weighs more than an item in a large one.
-    This strategy rescales each micro-batch so that the optimizer sees exactly
+    Plain DDP with ``accumulate_grad_batches=K`` optimizes a mean of means: each micro-batch's mean loss is divided by
+    K and DDP averages the P ranks, so an item of a small micro-batch weighs more than one of a large. This strategy
+    makes the optimizer see the gradient of the unpartitioned run,
 
     .. math:: g = \frac{1}{N} \sum_{r, j} \sum_{i \in \text{valid}(r, j)} \nabla \ell_i, \qquad N = \sum_{r, j} n_{r, j}
 
-    over all ranks r and micro-batches j of the window, the gradient of the unpartitioned run. Empty micro-batches
-    and ranks with no valid items contribute zero (never 0/0) and still take part in every collective (a rank with
-    no batch at all is refused); a window with N = 0 on all ranks changes neither the parameters nor the optimizer
-    state. The count is whatever the objective averages over: valid target tokens (the default, ``labels !=
-    -100``), examples (``count_fn=token_mean.count_examples``) or a sum of sample weights (a float).
+    over all ranks r and micro-batches j of the window. Empty micro-batches and ranks contribute zero (never 0/0)
+    and still take part in every collective; a window with N = 0 on all ranks changes nothing. The count is what the
+    objective averages over: valid target tokens (the default, ``labels != -100``), examples, a sum of weights. Each
+    window costs one all-reduce of a small record, read on the host once after its last backward; a problem on any
+    rank (a bad count, a NaN loss, ranks out of step) raises the same :class:`~token_mean.DenominatorError` on every
+    rank before the optimizer step.
 
-    Each window costs one all-reduce of a small record, started after the window's last forward and read on the host
-    once, after its last backward: no host sync between a window's first forward and its last backward. Problems
-    (a bad count, a NaN loss, ranks out of step) travel in that record, so every rank raises the same
-    :class:`~token_mean.DenominatorError` before the optimizer step.
-
-    Modes:
-        ``"lookahead"`` (default) counts each window's batches before its first backward, with ``count_fn`` on the
-        batches as the loader yields them (the next window's batches are read one per micro-batch, at most K held),
-        and scales each micro-batch's loss by P·n/N, so every hook, clipping and ``on_after_backward`` sees the
-        final gradient scale; ``training_step`` may return ``{"loss": token_mean_part, "aux_loss": term}``, the
-        auxiliary term averaged over the window's real micro-batches on all ranks. ``"deferred"`` reads nothing
-        ahead: it counts each micro-batch after its forward (``count_fn`` or the ``"num_items"`` ``training_step``
-        returns), back-propagates local loss sums and corrects the scale inside DDP's gradient all-reduce of the
-        window's last backward. Use it when the count is decided inside the model, when the loader must not be read
-        ahead (it refills one buffer), or when K batches do not fit in host memory.
+    Modes (``docs/modes.md``): ``"lookahead"`` (default) counts each window's batches as the loader yields them,
+    before the window's first backward (reading one window ahead), and scales each micro-batch's loss by P·n/N, so
+    every hook and clipping sees the final gradient; ``training_step`` may return ``{"loss": ..., "aux_loss": ...}``,
+    the auxiliary term averaged over the window's real micro-batches on all ranks. ``"deferred"`` reads nothing
+    ahead: it counts each micro-batch after its forward (``count_fn``, or the ``"num_items"`` the step returns) and
+    corrects the scale inside DDP's gradient all-reduce of the window's last backward; use it when the model decides
+    the mask, the loader refills one buffer, or K batches do not fit in host memory.
 
     Args:
-        count_fn: ``count_fn(batch)`` gives the number of valid items of one micro-batch (an int, a float or a
-            one-element tensor), for the batch ``training_step`` receives (with several training loaders, the
-            combined batch). In lookahead mode it sees the batch before it is moved to the device. Defaults to
+        count_fn: the valid items of one micro-batch (an int, a float or a one-element tensor) for the batch
+            ``training_step`` receives (in lookahead, before it is moved to the device). Defaults to
             :func:`~token_mean.count_valid_labels`.
-        loss_reduction: what ``training_step`` returns: ``"mean"`` over the micro-batch's valid items (what
-            ``F.cross_entropy(..., ignore_index=-100)`` gives) or their ``"sum"``.
+        loss_reduction: what ``training_step`` returns: the ``"mean"`` over the micro-batch's valid items or their
+            ``"sum"``.
         mode: ``"lookahead"`` or ``"deferred"``.
-        pad_uneven_ranks: when the ranks' training loaders have different lengths, a rank that runs out repeats its
-            last batch at weight zero until the longest rank is done (``is_filler_batch`` is True meanwhile), so all
-            ranks run the same windows. With ``False``, different lengths are an error.
-        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy` (``start_method``,
-            ``process_group_backend``, ``timeout``, ``find_unused_parameters``, ...).
+        pad_uneven_ranks: a rank whose loader runs out repeats its last batch at weight zero until the longest rank
+            is done (``is_filler_batch``), so all ranks run the same windows; with ``False``, an error.
+        \**kwargs: passed unchanged to :class:`~lightning.pytorch.strategies.DDPStrategy`.
 
     Raises:
         ValueError: for an unknown ``mode`` or ``loss_reduction``, or a ``ddp_comm_hook`` in deferred mode; at fit
-            start, on every rank, when no ``count_fn`` was given and the module holds a Hugging Face causal LM whose
-            loss shifts the labels.
+            start, for a setup it cannot normalize exactly (``docs/guarantees.md``).
         TypeError: for a ``count_fn`` that is not callable, or an argument neither ``DDPStrategy`` nor
-            ``DistributedDataParallel`` takes (a ``Trainer`` argument such as ``accumulate_grad_batches`` goes to
-            the ``Trainer``).
-
-    After each window, :attr:`last_window` holds a :class:`~token_mean.WindowStats`.
+            ``DistributedDataParallel`` takes (a ``Trainer`` argument goes to the ``Trainer``).
 
     Example:
         >>> import lightning.pytorch as pl
