@@ -53,7 +53,7 @@ from _common import (
 )
 
 ACCUMULATIONS = (1, 4)
-METHODS = ("plain", "lookahead", "deferred")
+METHODS = ("plain", "lookahead", "deferred", "floor", "floor_record")  # the floors: host_time.py's
 WARMUP_STEPS = 20  # as host_time.py
 FULL_STEPS = (30, 90)  # n₁, n₂ timed steps
 QUICK_STEPS = (2, 4)

@@ -93,15 +93,15 @@ class Epoch:
         window = self._window
         if window is None or window.ended:
             window = self._window = self._open(position, accumulate, step())
-        entry = self.reader.entry(position)
-        last = position == window.stop - 1
+        reader, stop = self.reader, window.stop
+        entry = reader.entry(position)
+        last = position == stop - 1
         reads_ahead = self.mode.reads_ahead
         if reads_ahead:  # the rolling read: one batch of the next window now, the rest of it with this window's last
-            self.reader.read_ahead(self.window_stop(window.stop, accumulate), at_most=None if last else 1)
+            ahead = self.window_stop(stop, accumulate)
+            reader.read_ahead(ahead, at_most=None if last else 1)
         if last:
-            following = self.reader.entries(window.stop, self.window_stop(window.stop, accumulate)) if reads_ahead \
-                else []
-            window.ahead(following, self.pass_end(window.stop, peek=not reads_ahead))
+            window.ahead(reader.entries(stop, ahead) if reads_ahead else [], self.pass_end(stop, peek=not reads_ahead))
         return window.micro_batch(entry, accumulate)
 
     def _open(self, start: int, accumulate: int, step: int) -> Window:

@@ -225,7 +225,7 @@ class Deferred(Mode):
              entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
         return _DeferredWindow(self, start, stop, accumulate, step)
 
-    def provisional(self, first: Tensor, accumulate: int) -> Tensor:
+    def provisional(self, first: Tensor | float, accumulate: int) -> Tensor:
         """D, sized by the run's first micro-batch (its count ``first`` times K) when there is none yet.
 
         Where gradients are averaged before any per-rank factor (``World.gradients_averaged``), every rank must
@@ -233,7 +233,9 @@ class Deferred(Mode):
         a resume, which restores D), read on the device only. Under DDP the hook applies each rank's own D/N.
         """
         if self._provisional is None:
-            world, estimate = self.channel.world, first * accumulate
+            world = self.channel.world
+            estimate = first * accumulate if isinstance(first, Tensor) else torch.full(
+                (), first * accumulate, dtype=torch.float64, device=world.device)
             if world.gradients_averaged and world.distributed:
                 exchange = self.channel.start(Kind.PROVISIONAL, device=[(Slot.COUNT, estimate)])
                 estimate = exchange.wait()[Slot.COUNT] / world.size
@@ -291,9 +293,8 @@ class _DeferredWindow(Window):
                 " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
             )
         settings = self._deferred.settings
-        if micro.filler:
-            count = self.channel.zero()
-        else:
+        count: Tensor | float = 0.0
+        if not micro.filler:
             count = self.count_received(batch, output, settings.count_fn, settings.count_fn_given, True)
             if output.loss is None:
                 self.flag(Problem.NO_LOSS)
@@ -306,7 +307,10 @@ class _DeferredWindow(Window):
         # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
         # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
         # (the forward value stays NaN, as under plain DDP).
-        items = count if self.mean else (count > 0).to(count.dtype)
+        if isinstance(count, Tensor):
+            items: Tensor | float = count if self.mean else (count > 0).to(count.dtype)
+        else:
+            items = count if self.mean else float(count > 0)
         return output.backprop * (items / self._provisional)
 
     def gradient_factor(self) -> Tensor:

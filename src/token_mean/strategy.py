@@ -180,7 +180,7 @@ class TokenMeanStrategy(ParallelStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
-        if self._normalizing() is None:
+        if self._micro is None and self._normalizing() is None:  # the micro-batch in flight says: normalizing
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The window's last micro-batch first: its backward ends the window, so an empty window skips the update
         # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
