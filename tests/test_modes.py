@@ -20,13 +20,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from token_mean import DenominatorError, WindowStats
+from token_mean._counts import count_valid_labels
 from token_mean._epoch import UNKNOWN_END, Epoch, Passes
 from token_mean._layout import World, after_reduction
 from token_mean._modes import Mode, make_mode
 from token_mean._reader import Reader
 from token_mean._settings import Settings
 from token_mean._window import MicroBatch, StepOutput
-from token_mean._counts import count_valid_labels
 
 FEATURES, CLASSES, ROWS, LENGTH = 3, 4, 2, 5
 IGNORE_INDEX = -100
