@@ -33,14 +33,17 @@ PINNED: dict[str, list[tuple[str, ...]]] = {
         # with the host weights), the record and its read
         ("lookahead (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+16 (4 the count)", "0"),
-        # deferred counts on the device (2 ops), in float64 (1), and scales the loss by count / D (2, and the
-        # product's backward); per window the sums the record carries, the gradient factor and the comm hook
-        ("deferred (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+41 (8 the count)", "0"),
+        # deferred counts the batch `training_step` received: its CPU labels with numpy (a host read of a CPU
+        # tensor, 1 op), and scales the loss by count / D (a reciprocal and a product, and the product's backward);
+        # per window the sums the record carries (on the host: the counts are host floats), the gradient factor and
+        # the comm hook
+        ("deferred (extra)", "+1 allreduce", "0", "0 (+4 count_fn, CPU batch)", "+1 (+4 count_fn, CPU batch)", "0",
+         "+5 (1 the count)", "+29 (4 the count)", "0"),
         ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+39 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+16 (4 the count)", "0"),
-        ("deferred + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+41 (8 the count)",
-         "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "0", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "0", "+5 (1 the count)", "+29 (4 the count)", "0"),
     ],
     "unsized": [
         ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
@@ -48,13 +51,13 @@ PINNED: dict[str, list[tuple[str, ...]]] = {
          "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+16 (4 the count)", "0"),
         # a stream's end rides in each window's record: deferred peeks one batch before the last backward (the
         # loader yields fresh memory), so the window costs one collective
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)", "+41 (8 the count)",
-         "0"),
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (1 the count)", "+29 (4 the count)", "0"),
         ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+39 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+16 (4 the count)", "0"),
-        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)",
-         "+41 (8 the count)", "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (1 the count)", "+29 (4 the count)", "0"),
     ],
 }
 
@@ -123,11 +126,11 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
         # device only as the loop takes it: the same tensors on the CPU, so not counted again) and the record
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+2", "+1", "+12 (4 the count)", "0"),
-        # per pass: the length only. Per micro-batch: the count on the device (3 ops) in float64, the loss scaled by
-        # count / D and the product's backward, in place of `loss / K` (2 ops): +6. Per window, 24 of those and the
-        # sums the record carries, the gradient factor and DDP's bucket scaled in the comm hook
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (3 the count)", "+41 (12 the count)",
-         "0"),
+        # per pass: the length only. Per micro-batch: the count of the CPU labels with numpy (1 op), the loss
+        # scaled by count / D and the product's backward, in place of `loss / K` (2 ops): +4. Per window, 16 of
+        # those and the sums the record carries, the gradient factor and DDP's bucket scaled in the comm hook
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+1", "+4 (1 the count)", "+25 (4 the count)", "0"),
     ],
     "unsized": [
         ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
@@ -135,8 +138,8 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
         # holds batches (1 more); its end then rides in each window's record
         ("lookahead (extra)", "+1 allreduce", "+3 allreduce", "0 (+4 count_fn, CPU batch)",
          "+1 (+4 count_fn, CPU batch)", "+3", "+1", "+12 (4 the count)", "0"),
-        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0", "+1", "+2", "+6 (3 the count)", "+41 (12 the count)",
-         "0"),
+        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
+         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (1 the count)", "+25 (4 the count)", "0"),
     ],
 }
 
