@@ -14,7 +14,8 @@ Commands, from the repository root (`make demo` creates .venv):
 
 Lightning starts the other processes itself (or finds torchrun's) and picks the backend from the accelerator.
 Everything lands in --out: `trace.csv` (the denominator N, the exact loss and norms of every step, from
-`DenominatorMonitor`), `checkpoints/` (`last.ckpt` and the best by validation loss) and `csv/metrics.csv`.
+`DenominatorMonitor`), `checkpoints/` (`last.ckpt` and the best by validation loss, `step=S.ckpt`, numbered as
+the trace) and `csv/metrics.csv`. It validates every --eval-every steps and after the last one.
 """
 
 from __future__ import annotations
@@ -93,15 +94,44 @@ class PrintEvaluations(pl.Callback):
             return
         exact = "—" if stats.loss is None else f"{stats.loss:.4f}"
         val_loss = float(trainer.callback_metrics.get("val_loss", float("nan")))
-        # the step that just ran, numbered as trace.csv numbers it (`global_step` while it ran)
+        # the step that just ran, numbered as trace.csv, metrics.csv and the checkpoints number it
         print(f"step {trainer.global_step - 1}: exact train loss {exact} (N = {stats.global_count:.0f}),"
               f" val loss {val_loss:.4f} after it", flush=True)
+
+
+class ValidateAtTheLastStep(pl.Callback):
+    """Lightning stops at `max_steps` without validating unless `val_check_interval` lands there; a loop asked to stop
+    validates first (and the checkpoints see that validation)."""
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: object) -> None:
+        if trainer.max_steps > 0 and trainer.global_step >= trainer.max_steps:
+            trainer.should_stop = True
+
+
+class StepCheckpoint(ModelCheckpoint):
+    """Names a checkpoint by the last step it holds, as trace.csv and metrics.csv number it: Lightning's `{step}` is
+    the number of steps taken, one more."""
+
+    def format_checkpoint_name(self, metrics: dict[str, Tensor], filename: str | None = None, ver: int | None = None,
+                               prefix: str | None = None) -> str:
+        if "step" in metrics:
+            metrics = {**metrics, "step": metrics["step"] - 1}
+        return super().format_checkpoint_name(metrics, filename, ver, prefix)
+
+
+def batches_per_epoch(pairs: int, processes: int, micro_batch_size: int, accumulate: int) -> int:
+    """Micro-batches each process trains an epoch: whole windows of K, so that validations (every
+    `eval_every * K` micro-batches) and the checkpoints they write fall on step boundaries. At most K - 1
+    micro-batches an epoch are left out, other ones each epoch as the sampler reshuffles; a checkpoint inside a window
+    could not be resumed (it holds none of the window's partial gradient)."""
+    batches = math.ceil(math.ceil(pairs / processes) / micro_batch_size)  # per process: DistributedSampler pads
+    return batches - batches % accumulate if batches >= accumulate else batches
 
 
 def epochs_for(steps: int, pairs: int, processes: int, micro_batch_size: int, accumulate: int) -> int:
     """The epochs that `steps` optimizer steps reach into. Lightning's bar counts epochs and micro-batches: without
     `max_epochs` it reads `Epoch 0/-2` and measures micro-batches against `max_steps` (`40/20` at K = 2)."""
-    batches = math.ceil(math.ceil(pairs / processes) / micro_batch_size)  # per process: DistributedSampler pads
+    batches = batches_per_epoch(pairs, processes, micro_batch_size, accumulate)
     return math.ceil(steps / math.ceil(batches / accumulate))
 
 
@@ -135,14 +165,16 @@ def main(args: argparse.Namespace) -> None:
         accumulate_grad_batches=args.accumulate,
         precision=args.precision,
         max_steps=args.max_steps,
-        # Lightning counts micro-batches here, across epochs (a short window at an epoch's end shifts it a little).
+        # Lightning counts micro-batches here, across epochs: epochs of whole windows keep it on step boundaries.
         val_check_interval=args.eval_every * args.accumulate,
         check_val_every_n_epoch=None,
         callbacks=[
             # Logs N, the per-rank counts and the exact loss every step and records them; no collective of its own.
             # On the bar: `exact_loss` and `N` (Lightning's `train_loss` there is the last micro-batch's).
             monitor,
-            ModelCheckpoint(dirpath=args.out / "checkpoints", monitor="val_loss", save_last=True),
+            StepCheckpoint(dirpath=args.out / "checkpoints", filename="{step}", monitor="val_loss",
+                           save_last=True),
+            ValidateAtTheLastStep(),
             *([] if sys.stdout.isatty() else [PrintEvaluations(monitor)]),
         ],
         logger=CSVLogger(args.out, name="", version="csv"),
@@ -150,9 +182,9 @@ def main(args: argparse.Namespace) -> None:
         enable_progress_bar=sys.stdout.isatty(),  # in a log file a bar is a line per redraw
     )
     # max_steps stops the run; max_epochs only gives the bar its totals (an epoch's micro-batches, the epochs)
-    trainer.fit_loop.max_epochs = epochs_for(
-        args.max_steps, len(train_pairs), trainer.world_size, args.micro_batch_size, args.accumulate
-    )
+    shape = (len(train_pairs), trainer.world_size, args.micro_batch_size, args.accumulate)
+    trainer.limit_train_batches = batches_per_epoch(*shape)
+    trainer.fit_loop.max_epochs = epochs_for(args.max_steps, *shape)
     trainer.fit(MaskedLM(PairDataset(train_pairs), PairDataset(val_pairs), args.micro_batch_size, args.seed))
     if trainer.is_global_zero:
         print(f"val_loss {float(trainer.callback_metrics.get('val_loss', float('nan'))):.4f}; written to {args.out}")

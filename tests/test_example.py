@@ -37,10 +37,13 @@ LOSS_RTOL = 1e-5
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
+    """76 pairs on 2 processes in micro-batches of 2: 19 per process, trimmed to 9 whole windows of K = 2 an epoch.
+    Validations every 5 steps (after steps 4 and 9, the second in epoch 1, where an untrimmed epoch's short window
+    would have put it inside a window) and after the last step (10), each named as the trace numbers it."""
     out = tmp_path / "run"
     command = [
         sys.executable, str(EXAMPLES / "train_masked_lm.py"), "--accelerator=cpu", "--devices=2", "--accumulate=2",
-        "--max-steps=4", "--eval-every=2", "--micro-batch-size=2", "--limit=80", f"--out={out}",
+        "--max-steps=11", "--eval-every=5", "--micro-batch-size=2", "--limit=80", f"--out={out}",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -48,24 +51,31 @@ def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
 
     with (out / "trace.csv").open(newline="") as file:
         trace = list(csv.DictReader(file))
-    assert [int(row["step"]) for row in trace] == [0, 1, 2, 3]
+    assert [int(row["step"]) for row in trace] == list(range(11))
     assert all(row["world_size"] == "2" and float(row["global_count"]) > 0 for row in trace)
-    # piped, not a terminal: one line per evaluation (steps 2 and 4) with the exact loss and N of its last step
+    # piped, not a terminal: one line per evaluation with the exact loss and N of its last step
     printed = [line for line in done.stdout.splitlines() if line.startswith("step ")]
-    assert [line.split(":")[0] for line in printed] == ["step 1", "step 3"], done.stdout  # numbered as the trace
-    for line, row in zip(printed, (trace[1], trace[3]), strict=True):
+    assert [line.split(":")[0] for line in printed] == ["step 4", "step 9", "step 10"], done.stdout
+    for line, row in zip(printed, (trace[4], trace[9], trace[10]), strict=True):
         assert f"exact train loss {float(row['loss']):.4f} (N = {float(row['global_count']):.0f})" in line, line
+    with (out / "csv" / "metrics.csv").open(newline="") as file:
+        validations = {int(row["step"]): float(row["val_loss"]) for row in csv.DictReader(file) if row["val_loss"]}
+    assert sorted(validations) == [4, 9, 10]
+    best = min(validations, key=validations.__getitem__)
+    assert sorted(path.name for path in (out / "checkpoints").iterdir()) == ["last.ckpt", f"step={best}.ckpt"]
     checkpoint = torch.load(out / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
-    assert checkpoint["global_step"] == 4
-    assert (out / "csv" / "metrics.csv").stat().st_size > 0
+    assert checkpoint["global_step"] == 11
+    assert "inside_window" not in checkpoint["token_mean"]
 
 
 def test_template_bar_totals() -> None:
-    """76 pairs on 2 processes in micro-batches of 2: 19 per process, 10 windows of K = 2 an epoch (a short last)."""
+    """76 pairs on 2 processes in micro-batches of 2: 19 per process, trimmed to 9 windows of K = 2 an epoch."""
+    assert train_masked_lm.batches_per_epoch(76, 2, 2, 2) == 18
+    assert train_masked_lm.batches_per_epoch(76, 2, 2, 40) == 19  # fewer than K: one short window, kept
     assert train_masked_lm.epochs_for(4, 76, 2, 2, 2) == 1
-    assert train_masked_lm.epochs_for(10, 76, 2, 2, 2) == 1
-    assert train_masked_lm.epochs_for(11, 76, 2, 2, 2) == 2
-    assert train_masked_lm.epochs_for(300, 6356, 1, 8, 4) == 2  # the defaults on one process: 199 steps an epoch
+    assert train_masked_lm.epochs_for(9, 76, 2, 2, 2) == 1
+    assert train_masked_lm.epochs_for(10, 76, 2, 2, 2) == 2
+    assert train_masked_lm.epochs_for(300, 6356, 1, 8, 4) == 2  # the defaults on one process: 198 steps an epoch
 
 
 def test_template_accepts_a_gpu() -> None:

@@ -12,10 +12,12 @@ alone in a collective fails in seconds, not after 30 minutes.
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import math
 import re
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from datetime import timedelta
 from pathlib import Path
@@ -1061,13 +1063,15 @@ def checkpointed(
     save_after: int,
     as_object: bool = False,
     epochs: int = 2,
+    accumulate: int = K,
 ) -> dict[str, Tensor]:
-    """Two passes, K = 2. ``phase``: "whole" trains them uninterrupted; "first" saves model, optimizer, accumulator
-    and pass with ``fabric.save`` after window ``save_after``'s optimizer step (inside the loop) and stops there;
-    "resumed" is a fresh run that ``fabric.load``s that checkpoint and runs the loop to the end. ``as_object``: the
-    accumulator itself goes into the state (Fabric calls its ``state_dict``/``load_state_dict``), else its dict."""
+    """Two passes, K = ``accumulate``. ``phase``: "whole" trains them uninterrupted; "first" saves model, optimizer,
+    accumulator and pass with ``fabric.save`` after window ``save_after``'s optimizer step (inside the loop) and stops
+    there; "resumed" is a fresh run that ``fabric.load``s that checkpoint and runs the loop to the end.
+    ``as_object``: the accumulator itself goes into the state (Fabric calls its ``state_dict``/``load_state_dict``),
+    else its dict."""
     model, optimizer = setup(fabric)
-    accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, mode=mode, count_fn=count_shifted_labels)
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, count_fn=count_shifted_labels)
     first_pass = 0
     if phase == "resumed":
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "pass": None,
@@ -1191,6 +1195,129 @@ def test_state_dict_mid_window_raises(mode: str) -> None:
             optimizer.zero_grad()
             assert accumulator.state_dict()["position"] == index + 1
     assert accumulator.state_dict()["position"] == 0
+
+
+def warned(fabric: Fabric, function: Callable[..., Any], *args: Any, **kwargs: Any) -> tuple[Any, list[str]]:
+    """``function(fabric, ...)`` and the warnings it gave on this rank."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        result = function(fabric, *args, **kwargs)
+    return result, [str(warning.message) for warning in caught if "token_mean" in str(warning.message)]
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_resuming_a_pass_with_another_k_warns_and_each_window_is_exact(tmp_path: Path, mode: str) -> None:
+    """Saved with K = 2 after window 2 (batches 0..3 of 7), resumed with K = 3: windows are K apart from the pass's
+    start, so the first resumed window holds batches 4 and 5 only; the resume warns once, naming them. Reference:
+    [0, 1] [2, 3] | [4, 5] [6], then [0, 1, 2] [3, 4, 5] [6]. Control: the rule "K batches from the resume"
+    ([4, 5, 6]) misses."""
+    data = ragged(2, 7, seed=53)
+    path = tmp_path / "checkpoint"
+    launched(ddp(), checkpointed, data, mode, path, "first", 2)
+    resumed, messages = launched(ddp(), warned, checkpointed, data, mode, path, "resumed", 2, accumulate=3)
+    (message,) = messages
+    assert message.startswith("token_mean: resuming in the middle of a pass, at batch 4, with `accumulate=3` where"
+                              " the checkpoint was written with 2"), message
+    assert "the first window after the resume holds batches 4..5" in message, message
+
+    def steps(windows: Sequence[Sequence[int]]) -> list[list[Batch]]:
+        return [[rank[i] for rank in data for i in window if i < len(rank)] for window in windows]
+
+    exact = reference_steps(steps([[0, 1], [2, 3], [4, 5], [6], [0, 1, 2], [3, 4, 5], [6]]),
+                            loss_sum=lambda net, batch: shifted_loss(net, batch, "sum"), count=shifted_count)[0]
+    other = reference_steps(steps([[0, 1], [2, 3], [4, 5, 6], [0, 1, 2], [3, 4, 5], [6]]),
+                            loss_sum=lambda net, batch: shifted_loss(net, batch, "sum"), count=shifted_count)[0]
+    assert relative_error(resumed, exact) < EXACT, f"{relative_error(resumed, exact):.3e}"
+    assert relative_error(resumed, other) > MISSES
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_resuming_with_the_same_k_does_not_warn(tmp_path: Path) -> None:
+    data = ragged(2, 7, seed=53)
+    path = tmp_path / "checkpoint"
+    launched(ddp(), checkpointed, data, "lookahead", path, "first", 2)
+    _, messages = launched(ddp(), warned, checkpointed, data, "lookahead", path, "resumed", 2)
+    assert messages == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# 8b. two modules, each set up with fabric.setup; DDP's static_graph
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def two_modules(fabric: Fabric, data: Sequence[Sequence[Batch]], mode: str, as_one: bool = False) -> dict[str, Tensor]:
+    """TokenNet's two layers set up apart (``fabric.setup`` each), the accumulator on the head; the loss reaches both.
+    ``as_one``: the fix, the same layers set up as one module."""
+    net = TokenNet()
+    net.load_state_dict(initial_state())
+    if as_one:
+        model = fabric.setup_module(net)
+        modules, forward = [model], model
+    else:
+        hidden, model = fabric.setup_module(net.hidden), fabric.setup_module(net.out)
+        modules, forward = [hidden, model], torch.nn.Sequential(hidden, torch.nn.Tanh(), model)
+    optimizer = fabric.setup_optimizers(make_optimizer([p for module in modules for p in module.parameters()]))
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=K, mode=mode, count_fn=count_shifted_labels)
+    for batch in accumulator.batches(data[fabric.global_rank]):
+        with contextlib.ExitStack() as stack:
+            for module in modules:
+                stack.enter_context(fabric.no_backward_sync(module, enabled=accumulator.accumulating))
+            accumulator.backward(shifted_loss(forward, batch))
+        if not accumulator.accumulating:
+            accumulator.finish()
+            optimizer.step()
+            optimizer.zero_grad()
+    return {name: value.detach().clone() for name, value in net.state_dict().items()}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_a_loss_through_two_set_up_modules_is_exact_in_lookahead() -> None:
+    """Lookahead's scale is in the loss, so every module's gradient carries it. Control: plain DDP's loop misses."""
+    data = ragged(2, 4, seed=61)
+    expected, _ = reference(data)
+    assert relative_error(launched(ddp(), two_modules, data, "lookahead"), expected) < EXACT
+    assert relative_error(launched(ddp(), plain_loop, data, K), expected) > MISSES
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_deferred_refuses_a_loss_through_another_set_up_module_on_every_rank(tmp_path: Path) -> None:
+    """Deferred normalizes in the accumulator's model's gradient reduction: the other module's gradient would stay a
+    mean over ranks (3.6e-2 off). The first backward raises on every rank, before any gradient, naming the fix.
+    Control: the same layers set up as one module are exact in deferred mode."""
+    data = ragged(2, 4, seed=61)
+    errors = every_rank_raises(ddp(), tmp_path, two_modules, data, "deferred")
+    message = one_message(errors)
+    assert message.startswith("ValueError: `mode='deferred'` normalizes the gradients of the model given to"
+                              " `TokenMeanAccumulator`"), message
+    assert "reaches 2 parameters of another module" in message and "Use `mode='lookahead'`" in message, message
+    expected, _ = reference(data)
+    assert relative_error(launched(ddp(), two_modules, data, "deferred", as_one=True), expected) < EXACT
+
+
+def with_static_graph(fabric: Fabric, accumulate: int) -> dict[str, Tensor]:
+    model, _ = setup(fabric)
+    TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode="lookahead", count_fn=count_shifted_labels)
+    return {}
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+def test_static_graph_with_accumulation_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """DDP's ``static_graph=True`` expects every backward to reduce: refused with K > 1 when the accumulator is
+    made; K = 1 is accepted (the control)."""
+    def static() -> Fabric:
+        strategy = DDPStrategy(start_method="fork", timeout=GLOO_TIMEOUT, static_graph=True, **GLOO)
+        return Fabric(accelerator="cpu", devices=2, strategy=strategy)
+
+    message = one_message(every_rank_raises(static(), tmp_path, with_static_graph, 2))
+    assert message.startswith("ValueError: `TokenMeanAccumulator` cannot accumulate (accumulate=2) with DDP's"
+                              " `static_graph=True`"), message
+    assert launched(static(), with_static_graph, 1) == {}
 
 
 # ---------------------------------------------------------------------------------------------------------------

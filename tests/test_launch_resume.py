@@ -34,6 +34,7 @@ from _harness import (
     relative_error,
 )
 from _jobs import TORCHRUN, assert_process_group_destroyed_before_exit, run_job
+from _ranks import raises_everywhere
 from _resume_helpers import (
     CHECKPOINT_EVERY,
     BatchLog,
@@ -85,6 +86,24 @@ def test_subprocess_launcher_both_modes(tmp_path: Path) -> None:
     assert_process_group_destroyed_before_exit(tmp_path)
     run = json.loads((tmp_path / "deferred" / "run.json").read_text())
     assert run == {"environment": "LightningEnvironment", "world_size": 2, "num_nodes": 1}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_denominator_error_prints_one_self_contained_line_per_rank(tmp_path: Path) -> None:
+    """Rank 1's loss is NaN under the subprocess launcher: each rank's traceback ends in the same error, whose first
+    line holds the cause, the rank and the window, printed once per rank (torch's ``[rankN]:`` prefix), not once per
+    frame or per chained exception."""
+    with pytest.raises(subprocess.CalledProcessError) as failed:
+        run_job([script(tmp_path, "--mode", "lookahead", "--rank1", "nan")], tmp_path / "logs")
+    output = failed.value.output
+    first = ("token_mean.errors.DenominatorError: token_mean: rank 1: the loss of a micro-batch that the count says"
+             " holds valid items is NaN or infinite (or count × loss overflows float64), in the accumulation window"
+             " of optimizer step 0 (epoch 0, batches 0..2).")
+    lines = [line.split("]: ", 1)[-1] for line in output.splitlines() if "DenominatorError" in line]
+    assert sorted(lines) == [first, first], output[-4000:]
+    assert sum(f"[rank{rank}]: {first}" in output for rank in (0, 1)) == 2, output[-4000:]
+    assert "During handling of the above exception" not in output and "direct cause" not in output
 
 
 @pytest.mark.distributed
@@ -276,27 +295,45 @@ def test_resume_restores_strategy_state(tmp_path: Path, mode: str) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
-def test_mid_window_checkpoint_resumes_where_lightning_stopped(tmp_path: Path, mode: str) -> None:
-    """A checkpoint inside a window (time- or validation-triggered, or on pre-emption) must hold the loader position
-    Lightning had reached.
-
-    Lightning saves no partial window's gradient, so such a resume cannot match the uninterrupted run for any
-    strategy; but it must go on with the next batch. Saved after batch 3, the first of window [3, 4, 5], the resumed
-    run must train batches 4, 5 and 6, although in lookahead mode the loader had already read 4 and 5 ahead.
-    """
+def test_a_checkpoint_saved_inside_a_window_warns_and_its_resume_is_refused_on_every_rank(
+    tmp_path: Path, mode: str
+) -> None:
+    """A checkpoint after batch 3, the first of window [3, 4, 5] (K = 3), as a time- or validation-triggered save or
+    a pre-emption makes: no checkpoint holds that window's partial gradient, so the resume cannot be the uninterrupted
+    run. Saving it warns (naming the settings that keep saves on window boundaries) and leaves the run exact; resuming
+    from it raises on every rank before any batch trains."""
     data = resume_data()
+    expected, _ = reference(data, constant(3), epochs=1)
     checkpoint = tmp_path / "mid-window.ckpt"
-    fit_checkpointed(
-        ResumableModule(data, True), mode, tmp_path / "full", accumulate=3, epochs=1,
-        callbacks=[SaveAtBatch(checkpoint, 3)],
-    )
-    fit_checkpointed(
+    full = fit_checkpointed(ResumableModule(data, True), mode, tmp_path / "full", accumulate=3, epochs=1,
+                            callbacks=[SaveAtBatch(checkpoint, 3)])
+    assert relative_error(full, expected) < EXACT  # saving inside the window changes nothing
+    (warning,) = json.loads(checkpoint.with_suffix(".warnings.json").read_text())
+    inside = "the accumulation window of optimizer step 1 (epoch 0, batches 3..5), after batch 3"
+    assert warning.startswith(f"token_mean: saving a checkpoint inside {inside}"), warning
+    assert "`val_check_interval` that is a multiple of `accumulate_grad_batches` (here 3)" in warning, warning
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit_checkpointed(
         ResumableModule(data, True), mode, tmp_path / "resumed", ckpt_path=checkpoint, accumulate=3, epochs=1,
         callbacks=[BatchLog(tmp_path / "seen.json")],
-    )
-    index_of = {float(batch["x"].sum()): index for index, batch in enumerate(data[0])}
-    seen = [(batch_idx, index_of.get(x)) for _, batch_idx, x in json.loads((tmp_path / "seen.json").read_text())]
-    assert seen == [(4, 4), (5, 5), (6, 6)], "(batch_idx, batch trained on) after the resume"
+    ))
+    for message in errors:
+        assert message.startswith(f"ValueError: token_mean: the checkpoint being resumed was saved inside {inside}"), (
+            message)
+    assert not (tmp_path / "seen.json").exists(), "a batch trained before the refusal"
+
+
+@pytest.mark.distributed
+def test_plain_ddp_resumes_a_checkpoint_saved_inside_a_window_silently_and_misses(tmp_path: Path) -> None:
+    """The control: plain DDP resumes from the same checkpoint without a word, and ends elsewhere than its own
+    uninterrupted run (batch 3's gradient is lost), which is what the refusal prevents."""
+    data = resume_data()
+    checkpoint = tmp_path / "mid-window.ckpt"
+    full = fit_checkpointed(ResumableModule(data, True), "plain", tmp_path / "full", accumulate=3, epochs=1,
+                            callbacks=[SaveAtBatch(checkpoint, 3)])
+    assert json.loads(checkpoint.with_suffix(".warnings.json").read_text()) == []
+    resumed = fit_checkpointed(ResumableModule(data, True), "plain", tmp_path / "resumed", ckpt_path=checkpoint,
+                               accumulate=3, epochs=1)
+    assert relative_error(resumed, full) > 1e-3
 
 
 @pytest.mark.distributed

@@ -7,6 +7,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 from _harness import TokenModule
@@ -163,6 +164,32 @@ def test_plots_a_single_run(tmp_path: Path, capsys: pytest.CaptureFixture[str]) 
         0: {"global_count": 4.0, "loss": 1.0, "grad_norm": 1.0, "param_norm": 1.0, "imbalance": None}
     }
     assert main([str(older), "-o", str(tmp_path / "older.png")]) == 0
+
+
+@pytest.mark.parametrize("traces", [1, 2], ids=["single-trace", "comparison"])
+def test_every_y_label_stays_beside_its_own_panel(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                  traces: int) -> None:
+    """A y-label taller than its panel runs into the panel above (the single trace's imbalance label did)."""
+
+
+    extents: list[tuple[str, float, float, float, float]] = []
+
+    def measure(plt: Any, figure: Any, output: Path) -> None:
+        figure.tight_layout()
+        figure.canvas.draw()
+        renderer = figure.canvas.get_renderer()
+        for axes in figure.axes:
+            panel, label = axes.get_window_extent(renderer), axes.yaxis.label.get_window_extent(renderer)
+            extents.append((axes.get_ylabel(), panel.y0, panel.y1, label.y0, label.y1))
+        plt.close(figure)
+
+    monkeypatch.setattr(token_mean.plot, "_save", measure)
+    run = write_trace(tmp_path / "scaled" / "trace.csv")
+    arguments = [str(run)] if traces == 1 else [str(run), str(write_trace(tmp_path / "reference" / "trace.csv"))]
+    assert main([*arguments, "-o", str(tmp_path / "out.png")]) == 0
+    assert len(extents) == 3
+    for name, bottom, top, label_bottom, label_top in extents:
+        assert bottom <= label_bottom and label_top <= top, (name, (bottom, top), (label_bottom, label_top))
 
 
 def test_curves_are_labelled_by_run_folder() -> None:

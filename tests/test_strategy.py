@@ -653,3 +653,36 @@ def test_subprocess_launcher(tmp_path: Path) -> None:
     expected, _ = reference(data, constant(3), epochs=2)
     assert relative_error({k.removeprefix("net."): v for k, v in params.items()}, expected) < EXACT
     assert set(initial_state()) == {k.removeprefix("net.") for k in params}
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_static_graph_with_accumulation_is_refused_on_every_rank_at_fit_start(tmp_path: Path, mode: str) -> None:
+    """DDP's ``static_graph=True`` expects every backward to reduce; accumulation reduces in each window's last one
+    only. Refused at fit start, naming the option, where plain DDP fails inside PyTorch (the control below)."""
+    run = lambda: fit(TokenModule(ragged_batches(2, 2)), strategy_for(mode, static_graph=True),  # noqa: E731
+                      tmp_path, accumulate_grad_batches=2)
+    errors = raises_everywhere(tmp_path / "outcomes", run)
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("ValueError: `TokenMeanDDPStrategy` cannot accumulate (accumulate_grad_batches=2)"
+                                " with DDP's `static_graph=True`"), errors[0]
+    assert "Remove `static_graph=True`" in errors[0], errors[0]
+
+
+@pytest.mark.distributed
+def test_plain_ddp_with_static_graph_and_accumulation_fails_inside_pytorch(tmp_path: Path) -> None:
+    """The control: plain DDP with the same options fails, with PyTorch's internal assertion."""
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
+        TokenModule(ragged_batches(2, 2)), strategy_for("plain", static_graph=True), tmp_path,
+        accumulate_grad_batches=2))
+    assert any("expect_autograd_hooks_" in error for error in errors), errors
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_static_graph_without_accumulation_is_exact(tmp_path: Path, mode: str) -> None:
+    """K = 1 reduces in every backward, as a static graph expects: accepted, and exact."""
+    data = ragged_batches(2, 3, seed=41)
+    params, _ = fit(TokenModule(data), strategy_for(mode, static_graph=True), tmp_path, accumulate_grad_batches=1)
+    expected, _ = reference(data, constant(1))
+    assert relative_error(params, expected) < EXACT

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import torch.distributed as dist
+from lightning.fabric.utilities import rank_zero_warn
 
 from token_mean._epoch import Passes
 from token_mean._reader import Reader
@@ -40,12 +41,22 @@ def gather_objects(value: Any, world_size: int) -> list[Any]:
 
 
 def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distributed: bool) -> dict[str, Any]:
-    """A Trainer strategy's checkpoint: the mode's counters, K and (stateful loaders) every rank's position."""
+    """A Trainer strategy's checkpoint: the mode's counters, K and (stateful loaders) every rank's position; a
+    checkpoint saved inside a window says where, and warns (a resume from it is refused: :func:`restore`)."""
     state: dict[str, Any] = passes.mode.state_dict()
     state["accumulate"] = accumulate
     epoch = passes.current
     if epoch is not None and epoch.reader.stateful:
         state["loader_ranks"] = every_rank(epoch.reader, world_size, distributed)
+    inside = None if epoch is None else epoch.inside_window()
+    if inside is not None:
+        state["inside_window"] = inside
+        rank_zero_warn(
+            f"token_mean: saving a checkpoint inside {inside}: no checkpoint holds a window's partial gradient, so"
+            " resuming from this one will be refused. Save at window boundaries: a `val_check_interval` that is a"
+            f" multiple of `accumulate_grad_batches` (here {accumulate}), `ModelCheckpoint(every_n_train_steps=...)`,"
+            " or at the end of an epoch."
+        )
     return state
 
 
@@ -56,6 +67,15 @@ def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, ra
     checkpoint written mid-epoch by another number of processes."""
     if state is None:
         return None
+    inside = state.get("inside_window")
+    if inside is not None:
+        raise ValueError(
+            f"token_mean: the checkpoint being resumed was saved inside {inside}, and holds none of that window's"
+            " partial gradient: the resumed run would train the window without the batches it had already trained"
+            " (plain Lightning does so without a word). Resume from a checkpoint saved at a window boundary (a"
+            " `val_check_interval` that is a multiple of `accumulate_grad_batches`,"
+            " `ModelCheckpoint(every_n_train_steps=...)`, or the end of an epoch)."
+        )
     passes.mode.load_state_dict(state)
     ranks = state.get("loader_ranks") if has_loader_states else None
     if ranks is None:

@@ -122,6 +122,14 @@ class Epoch:
         return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries,
                               self.reader.unchanged)
 
+    def inside_window(self) -> str | None:
+        """Where this pass stands if some of its window's micro-batches trained and the window has not ended (what
+        messages say of it), else None."""
+        window = self._window
+        if window is None or window.ended or window.length == 0:
+            return None
+        return f"{window.where}, after batch {window.start + window.length - 1}"
+
     def end_window(self) -> WindowStats:
         """After the window's last backward: its stats (the window's one host read; every rank's problems raised
         here), applied to the pass (a stream goes on by one window, or ends)."""

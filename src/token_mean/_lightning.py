@@ -263,3 +263,10 @@ def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
     ``trainer.progress_bar_metrics`` is the logger connector's ``_progress_bar_metrics``, only updated during a fit
     and cleared at its start; the progress bars read it at each refresh and take floats as they are."""
     trainer.progress_bar_metrics.update(values)
+
+
+def static_graph(strategy: Any) -> bool:
+    """Whether a DDP strategy (the Trainer's or Fabric's) wraps its model with ``static_graph=True``.
+
+    Relies on: ``DDPStrategy`` keeps the arguments it hands to ``DistributedDataParallel`` in ``_ddp_kwargs``."""
+    return bool((getattr(strategy, "_ddp_kwargs", None) or {}).get("static_graph"))

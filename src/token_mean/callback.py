@@ -161,8 +161,9 @@ class DenominatorMonitor(Monitoring, Callback):
         stats = audited(stats, self._auditor.window_end(step)) if stats is not None else None
         if stats is None:
             return
+        count = stats.global_count  # an integral count as an int: the bar pads floats to "13263.000"
         _lightning.show_on_progress_bar(trainer, {BAR_LOSS: math.nan if stats.loss is None else stats.loss,
-                                                  BAR_COUNT: stats.global_count})
+                                                  BAR_COUNT: int(count) if count.is_integer() else count})
         param_norm = global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device) \
             if self.fingerprints else None
         metrics, log_now = self._window(step, stats, elapsed, (gradient, param_norm), naive_loss)

@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
 from typing import Any
 
+from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
@@ -22,7 +23,7 @@ from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, check_reduction, layout
 from token_mean._modes import make_mode
 from token_mean._reader import Reader
-from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int
+from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int, static_graph_refused
 from token_mean._window import MicroBatch, StepOutput
 from token_mean.fabric_monitor import FabricMonitor
 from token_mean.results import WindowStats
@@ -65,7 +66,7 @@ class TokenMeanAccumulator:
                  monitor: FabricMonitor | None = None) -> None:
         settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
         self._accumulate: int = positive_int(accumulate, "accumulate", "micro-batches per window")  # type: ignore[assignment]
-        self._layout = _fabric_layout(fabric, model)
+        self._layout = _fabric_layout(fabric, model, self._accumulate)
         self._fabric, self._model = fabric, model
         self._passes = Passes(make_mode(settings, self._layout, rank_counts=monitor is not None), pad_uneven_ranks,
                               "pass")
@@ -79,6 +80,7 @@ class TokenMeanAccumulator:
         self._batch: Any = None  # the batch the loop got for it
         self._iterating: str | None = None  # "batches" or "windows": the method that made the pass in progress
         self._last_window: WindowStats | None = None
+        self._foreign: int | None = None  # trainable parameters the loss reaches outside the model (checked once)
 
     @property
     def accumulating(self) -> bool:
@@ -119,6 +121,15 @@ class TokenMeanAccumulator:
             raise RuntimeError(f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
                                " would count twice. Call it once per batch.")
         _check_sync(self._layout.sync_flags(), micro)
+        if self._foreign is None:  # once: in deferred mode the loss must reach the accumulator's model's alone
+            self._foreign = _foreign_parameters(loss, self._model) if not self._passes.mode.reads_ahead else 0
+            if self._foreign:
+                raise ValueError(
+                    f"`mode='deferred'` normalizes the gradients of the model given to `TokenMeanAccumulator`, in"
+                    f" its gradient reduction, but the loss also reaches {self._foreign} parameters of another module"
+                    " (set up with `fabric.setup` on its own): their gradient would not be normalized by N. Use"
+                    " `mode='lookahead'`, whose scale is in the loss, or set the modules up as one `nn.Module`."
+                )
         scaled = micro.loss_to_backprop(StepOutput(loss, aux_loss, num_items, loss), self._batch)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         micro.backward_done()
@@ -148,13 +159,23 @@ class TokenMeanAccumulator:
             raise RuntimeError("`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
                                " saved. Save after `accumulator.finish()` and the optimizer step.")
         in_flight = None if micro is None else micro.position + 1
-        return {"mode": self._passes.mode.state_dict(), **self._progress.state_dict(in_flight)}
+        return {"mode": self._passes.mode.state_dict(), "accumulate": self._accumulate,
+                **self._progress.state_dict(in_flight)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next ``batches(...)`` skips what the saved pass trained (the loader must repeat its order). A
         ``ValueError`` for a checkpoint written mid-pass by another number of processes."""
         self._progress.load_state_dict(state)
         self._passes.mode.load_state_dict(state["mode"])
+        saved, position, accumulate = state.get("accumulate"), int(state["position"]), self._accumulate
+        if saved is not None and saved != accumulate and position > 0:
+            stop = position + accumulate - position % accumulate
+            rank_zero_warn(
+                f"token_mean: resuming in the middle of a pass, at batch {position}, with `accumulate={accumulate}`"
+                f" where the checkpoint was written with {saved}: windows are K apart from the pass's start, so the"
+                f" first window after the resume holds batches {position}..{stop - 1}; every window is exact for its"
+                " own batches (docs/fabric.md)."
+            )
         if self._monitor is not None:
             self._monitor.resume_at(self._progress.windows)
 
@@ -298,7 +319,27 @@ def _check_sync(flags: Sequence[bool], micro: MicroBatch) -> None:
         )
 
 
-def _fabric_layout(fabric: Any, model: Any) -> Layout:
+def _foreign_parameters(loss: Tensor, model: Any) -> int:
+    """How many trainable tensors ``loss``'s autograd graph reaches that are not ``model``'s parameters (under FSDP2
+    the leaves autograd records are the unsharded parameters)."""
+    own = {id(parameter) for parameter in model.parameters()}
+    own.update(id(unsharded) for _, unsharded in _torch.fsdp_parameter_pairs(model))
+    seen: set[Any] = set()
+    nodes, foreign = [loss.grad_fn], 0
+    while nodes:
+        node = nodes.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        leaf = getattr(node, "variable", None)  # an AccumulateGrad node: a trainable leaf
+        if leaf is not None:
+            foreign += id(leaf) not in own
+        else:
+            nodes.extend(child for child, _ in node.next_functions)
+    return foreign
+
+
+def _fabric_layout(fabric: Any, model: Any, accumulate: int) -> Layout:
     """The modes' view of Fabric's strategy and the model ``fabric.setup`` returned, or a ``ValueError``."""
     from lightning.fabric.strategies.ddp import DDPStrategy
     from lightning.fabric.strategies.deepspeed import DeepSpeedStrategy
@@ -323,6 +364,8 @@ def _fabric_layout(fabric: Any, model: Any) -> Layout:
             " `ModelParallelStrategy`."
         )
     result = layout(strategy, forward)
+    if accumulate > 1 and _lightning.static_graph(strategy):
+        raise ValueError(static_graph_refused("TokenMeanAccumulator", "accumulate", accumulate))
     if isinstance(strategy, ModelParallelStrategy):
         check_reduction(forward, result.world.size, "TokenMeanAccumulator")
     return result

@@ -156,8 +156,9 @@ def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -
     plt = _pyplot()
     steps = sorted(run)
     figure, panels = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=(3, 1.5, 1.5))
-    rows = (("loss", "loss: token mean of the step"), ("global_count", "N per step"),
-            ("imbalance", "imbalance: max n_r / mean n_r"))
+    # labels on two lines: one line is taller than the short panels and ran into the panel above
+    rows = (("loss", "loss\ntoken mean of the step"), ("global_count", "N\nper step"),
+            ("imbalance", "imbalance\nmax n_r / mean n_r"))
     for axes, (column, label) in zip(panels, rows, strict=True):
         axes.plot(steps, _values(run, column, steps), color="tab:blue", linewidth=1.3,
                   drawstyle="default" if column == "loss" else "steps-mid")

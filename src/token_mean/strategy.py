@@ -37,6 +37,7 @@ from token_mean._settings import (
     check_passed_through,
     checked_settings,
     named_parameters,
+    static_graph_refused,
 )
 from token_mean._window import MicroBatch, StepOutput, trained_twice_or_skipped
 from token_mean.errors import DenominatorError
@@ -244,6 +245,8 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
             f"`accumulate_grad_batches` must be a positive int (the micro-batches of one optimizer step), got"
             f" {accumulate!r}: pass `Trainer(accumulate_grad_batches=K)` with K >= 1."
         )
+    if accumulate > 1 and _lightning.static_graph(trainer.strategy):
+        raise ValueError(static_graph_refused(name, "accumulate_grad_batches", accumulate))
     if not module.automatic_optimization:
         raise ValueError(
             f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"

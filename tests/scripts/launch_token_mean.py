@@ -17,6 +17,8 @@ stalls:
 
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead --start-method fork --rank1 stall --timeout 5
 
+`--rank1 nan` makes rank 1's loss NaN at that batch instead: every rank raises the same `DenominatorError`.
+
 Each process that trained writes OUT_DIR/exit-rank{r}.json as the interpreter begins to exit, after the package's
 own exit handler (``tests/_jobs.py``): whether the default process group was still registered then, and whether it
 was freed (the script itself never destroys it, unless ``--destroy`` asks it to, as torch recommends, at the end of
@@ -75,6 +77,16 @@ class StallingRank(TokenModule):
         return super().training_step(batch, batch_idx)
 
 
+class NaNRank(TokenModule):
+    """Rank 1's loss is NaN at `LEAVE_AT_BATCH` of the first epoch: every rank raises the same `DenominatorError`."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        loss = super().training_step(batch, batch_idx)
+        if self.global_rank == 1 and self.current_epoch == 0 and batch_idx == LEAVE_AT_BATCH:
+            return loss * float("nan")
+        return loss
+
+
 class RunInfo(Callback):
     """Rank 0 writes how Lightning set the job up: the cluster environment it detected, the world size and nodes."""
 
@@ -117,7 +129,7 @@ def main() -> None:
     )
     parser.add_argument("--start-method", choices=("popen", "spawn", "fork"), default="popen", help="not torchrun")
     parser.add_argument("--nodes", type=int, choices=(1, 2), default=1, help="2: one process per node (torchrun)")
-    parser.add_argument("--rank1", choices=("stall",), help="make rank 1 stop answering")
+    parser.add_argument("--rank1", choices=("stall", "nan"), help="make rank 1 stop answering, or its loss NaN")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait (DDP's `timeout`)")
     parser.add_argument("--destroy", action="store_true", help="destroy the process group after each fit")
     args = parser.parse_args()
@@ -149,7 +161,9 @@ def main() -> None:
             use_distributed_sampler=False, num_sanity_val_steps=0,
         )
         try:
-            trainer.fit(TokenModule(data()) if args.rank1 is None else StallingRank(data(), out))
+            module = {None: TokenModule, "nan": NaNRank}[args.rank1](data()) if args.rank1 != "stall" \
+                else StallingRank(data(), out)
+            trainer.fit(module)
         except BaseException as error:
             # fork and spawn: this is the launcher, reporting the error of the first worker that failed
             launcher = args.start_method in ("fork", "spawn")
