@@ -210,41 +210,54 @@ def test_reference_batches_are_the_ddp_steps() -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
+    """Two layouts of one global batch (P×K = 1×2, 2×1; micro-batches of 2 samples, so they hold other samples in
+    each): both token-mean runs stay on the reference, the plain runs leave it and each other."""
     out = tmp_path / "demo"
     command = [
-        sys.executable, str(EXAMPLES / "masked_lm.py"), "--steps=3", "--micro-batch-size=1", "--limit=60",
-        f"--out={out}",
+        sys.executable, str(EXAMPLES / "masked_lm.py"), "--steps=3", "--micro-batch-size=2", "--limit=60",
+        "--layouts", "1x2", "2x1", f"--out={out}",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith(f"Run folder: {out}")
     # One line per run and the table: no progress bars, model summaries or Lightning banners from the sub-runs.
-    assert len(done.stdout.splitlines()) <= 15, done.stdout
-    assert [line.split(":")[0] for line in done.stdout.splitlines() if line.startswith("run ")] == [
-        "run 1/3", "run 2/3", "run 3/3"
-    ]  # fmt: skip
+    assert len(done.stdout.splitlines()) <= 18, done.stdout
+    names = ["reference", "token_mean-1x2", "token_mean-2x1", "plain-1x2", "plain-2x1"]
+    started = [line.split()[:3] for line in done.stdout.splitlines() if line.startswith("run ")]
+    assert started == [["run", f"{index}/5:", name] for index, name in enumerate(names, start=1)], done.stdout
     for noise in ("Epoch 0", "GPU available", "Initializing distributed", "Trainable params"):
         assert noise not in done.stdout + done.stderr
 
     summary = json.loads((out / "summary.json").read_text())
-    losses = summary["losses"]
+    losses, runs = summary["losses"], summary["runs"]
     assert len(losses["reference"]) == 3
-    for step, (reference, token_mean) in enumerate(zip(losses["reference"], losses["token_mean"], strict=True)):
-        assert abs(token_mean - reference) <= LOSS_RTOL * abs(reference), f"step {step}: {token_mean} vs {reference}"
-    runs = summary["runs"]
-    assert runs["token_mean"]["first_flagged_step"] is None
-    assert runs["naive"]["first_flagged_step"] is not None
-    assert runs["naive"]["max_abs_loss_deviation"] > 100 * runs["token_mean"]["max_abs_loss_deviation"]
-    # the objective audit of step 0: plain DDP flagged, the token-mean run not (float32: tolerance 1e-4)
-    assert [audit["passed"] for audit in runs["naive"]["audits"]] == [False], runs["naive"]["audits"]
-    assert [audit["passed"] for audit in runs["token_mean"]["audits"]] == [True], runs["token_mean"]["audits"]
-    assert "FLAGGED" in done.stdout
+    for name in names[1:3]:
+        for step, (reference, loss) in enumerate(zip(losses["reference"], losses[name], strict=True)):
+            assert abs(loss - reference) <= LOSS_RTOL * abs(reference), f"{name}, step {step}: {loss} vs {reference}"
+        assert runs[name]["first_flagged_step"] is None
+        assert [audit["passed"] for audit in runs[name]["audits"]] == [True], runs[name]["audits"]
+        assert abs(runs[name]["val_loss"] - runs["reference"]["val_loss"]) <= LOSS_RTOL * runs["reference"]["val_loss"]
+    for name in names[3:]:
+        assert runs[name]["first_flagged_step"] is not None
+        assert runs[name]["max_abs_loss_deviation"] > 100 * runs["token_mean-2x1"]["max_abs_loss_deviation"]
+        assert [audit["passed"] for audit in runs[name]["audits"]] == [False], runs[name]["audits"]
+    # plain DDP's objective depends on the layout: its two runs differ from each other, the token-mean runs do not
+    plain_gap = abs(losses["plain-1x2"][-1] - losses["plain-2x1"][-1])
+    assert plain_gap > 100 * abs(losses["token_mean-1x2"][-1] - losses["token_mean-2x1"][-1]), plain_gap
+    assert "FLAGGED" in done.stdout and "the final train losses of the 2 layouts span" in done.stdout
     assert len({run["data_digest"] for run in runs.values()}) == 1
-    val_losses = runs["reference"]["val_loss"], runs["token_mean"]["val_loss"]
-    assert abs(val_losses[1] - val_losses[0]) <= LOSS_RTOL * val_losses[0]
 
-    assert (out / "loss_curves.png").stat().st_size > 0
-    for run in ("reference", "token_mean", "naive"):
-        with (out / run / "trace.csv").open(newline="") as file:
+    assert (out / "layouts.png").stat().st_size > 0
+    for name in names:
+        with (out / name / "trace.csv").open(newline="") as file:
             assert len(list(csv.DictReader(file))) == 3
-        assert (out / run / "csv" / "metrics.csv").stat().st_size > 0
+        assert (out / name / "csv" / "metrics.csv").stat().st_size > 0
+
+
+def test_demo_refuses_layouts_of_other_global_batches() -> None:
+    dataset = cast(Dataset[int], list(range(64)))
+    with pytest.raises(SystemExit, match="every layout must hold the same P×K micro-batches"):
+        masked_lm.check_layouts(dataset, [(1, 8), (2, 2)], steps=2, micro_batch_size=2, seed=0)
+    with pytest.raises(SystemExit, match="step 4 is past the first epoch's whole global batches"):
+        masked_lm.check_layouts(dataset, [(1, 8), (2, 4)], steps=5, micro_batch_size=2, seed=0)
+    masked_lm.check_layouts(dataset, [(1, 8), (2, 4), (4, 2)], steps=4, micro_batch_size=2, seed=0)

@@ -5,9 +5,12 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
+import subprocess
+import sys
 import tomllib
 from pathlib import Path
 
+import pytest
 from packaging.requirements import Requirement
 from packaging.version import Version
 
@@ -47,3 +50,14 @@ def test_no_install_command_names_an_unpublished_package() -> None:
     unpublished = re.compile(r"pip install '?lightning-token-mean")
     offenders = [str(path.relative_to(ROOT)) for path in texts if unpublished.search(path.read_text())]
     assert offenders == []
+
+
+@pytest.mark.slow
+def test_import_registers_the_strategy_names() -> None:
+    """README's quick start: `import token_mean` registers "ddp_token_mean"; without it Lightning refuses the name."""
+    make = "import lightning.pytorch as pl; pl.Trainer(strategy='ddp_token_mean', accelerator='cpu', devices=1)"
+    without = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, timeout=120)
+    assert without.returncode != 0 and "invalid strategy name" in without.stderr, without.stderr[-2000:]
+    with_import = subprocess.run([sys.executable, "-c", "import token_mean; " + make], capture_output=True,
+                                 text=True, timeout=120)
+    assert with_import.returncode == 0, with_import.stderr[-2000:]
