@@ -420,10 +420,11 @@ def test_settings_are_checked() -> None:
 
 
 @pytest.mark.distributed
-def test_hugging_face_causal_lm_with_shifted_labels(tmp_path: Path) -> None:
+def test_the_audit_runs_the_count_check(tmp_path: Path) -> None:
     """A float64 Llama whose loss transformers takes in float32: the audit's dtype is float32 (its tolerance 1e-4),
-    and the error is float32 rounding. With the default count, which is not the loss's own denominator, the audit
-    cannot see the fault: g* uses the same count (docs/audit.md, "What it cannot see")."""
+    and the gradient error is float32 rounding with either count. With the default count, which is not the loss's
+    own denominator, g* uses the same count and the gradient comparison passes: the audit's count check fails it
+    (the strategy's own check, at the first window, is off here to let the audit see it)."""
     from test_counts import ObjectiveModule, causal_lm_batches, hf_model, with_empty_micro_batch
 
     from token_mean import count_shifted_labels, count_valid_labels
@@ -431,11 +432,16 @@ def test_hugging_face_causal_lm_with_shifted_labels(tmp_path: Path) -> None:
     data = with_empty_micro_batch(causal_lm_batches(2, 4, seed=61), rank=0, index=1)
     for name, count_fn in (("shifted", count_shifted_labels), ("default", count_valid_labels)):
         module = ObjectiveModule(hf_model(), data, lambda net, b: net(**b).loss, lr=0.1)
-        _, audits = audited_fit(module, strategy_for("lookahead", count_fn=count_fn), tmp_path / name,
-                                accumulate_grad_batches=2)
+        strategy = strategy_for("lookahead", count_fn=count_fn, check_count=False)
+        _, audits = audited_fit(module, strategy, tmp_path / name, accumulate_grad_batches=2)
         assert len(audits[0]) == 2, audits[0]
         for audit in audits[0]:
-            assert audit.passed and audit.tolerance == 1e-4 and audit.error is not None and audit.error < 1e-5, audit
+            assert audit.tolerance == 1e-4 and audit.error is not None and audit.error < 1e-5, audit
+            assert audit.count_error is not None, audit
+            if name == "shifted":
+                assert audit.passed and audit.count_error < 2e-5, audit
+            else:
+                assert not audit.passed and audit.count_error > 2e-5, audit
 
 
 @pytest.mark.distributed
@@ -463,14 +469,16 @@ def test_a_resumed_run(tmp_path: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def litgpt_loop_audited(fabric: Any, data: list[list[Batch]], accumulate: int) -> list[dict[str, Any]]:
-    """LitGPT's `fabric.backward(loss / K)` loop, audited by `FabricMonitor` alone."""
+def litgpt_loop_audited(fabric: Any, data: list[list[Batch]], accumulate: int,
+                        count_fn: Any = None) -> list[dict[str, Any]]:
+    """LitGPT's `fabric.backward(loss / K)` loop, audited by `FabricMonitor` alone (by default with the loss's own
+    count, `count_shifted_labels`)."""
     from _fabric import rank_batches, setup, shifted_loss
 
     from token_mean import count_shifted_labels
     from token_mean.fabric import FabricMonitor
 
-    monitor = FabricMonitor(audit_every=1, audit_loss=shifted_loss, count_fn=count_shifted_labels,
+    monitor = FabricMonitor(audit_every=1, audit_loss=shifted_loss, count_fn=count_fn or count_shifted_labels,
                             on_audit_failure="log")
     model, optimizer = setup(fabric)
     audits = []
@@ -500,6 +508,22 @@ def litgpt_case(seed: int) -> tuple[list[list[Batch]], float]:
     exact = gradient_of(lambda net: sum(shifted_loss(net, b, "sum") for rank in window for b in rank) / total)
     naive = gradient_of(lambda net: sum(shifted_loss(net, b) for rank in window for b in rank) / (2 * 2))
     return data, audit_error([naive] * 2, exact)
+
+
+@pytest.mark.distributed
+def test_fabric_monitor_runs_the_count_check_at_its_audited_windows() -> None:
+    """The first audited window included: with the loss's own count every count error is rounding; with the
+    default count (the loss shifts, the count does not) every audit fails on its count."""
+    from _fabric import fabric_for, launched
+
+    from token_mean import count_valid_labels
+
+    data, _ = litgpt_case(seed=246)
+    right = [Audit(**a) for a in launched(fabric_for("ddp"), litgpt_loop_audited, data, 2)]
+    wrong = [Audit(**a) for a in launched(fabric_for("ddp"), litgpt_loop_audited, data, 2, count_valid_labels)]
+    assert [a.step for a in right] == [a.step for a in wrong] == [0, 1]
+    assert all(a.count_error is not None and a.count_error < 2e-5 for a in right), right
+    assert all(a.count_error is not None and a.count_error > 1e-3 and not a.passed for a in wrong), wrong
 
 
 @pytest.mark.distributed

@@ -86,6 +86,15 @@ def test_audit_quick(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+def test_count_check_quick(tmp_path: Path) -> None:
+    payload = run_script("count_check", tmp_path)
+    assert [r["model"] for r in payload["rows"]] == ["tiny", "tinylm"]
+    assert len(payload["runs"]) == 8  # 2 models x 2 repetitions x (off, on)
+    assert all(r["steady_window_s"] > 0 for r in payload["rows"])
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
 def test_overhead_quick(tmp_path: Path) -> None:
     payload = run_script("overhead", tmp_path)
     for key in ("ratio_lookahead", "ratio_deferred"):

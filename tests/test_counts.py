@@ -71,9 +71,9 @@ def strategy_for_variant(variant: str, **kwargs: Any) -> Any:
     control all of them but `count_fn`, and plain DDP none."""
     if variant == PLAIN:
         return strategy_for(PLAIN)
-    if variant == DEFAULT_COUNT:
+    if variant == DEFAULT_COUNT:  # the count check would refuse it (tests/test_count_check.py): turned off
         kwargs.pop("count_fn")
-        return strategy_for("lookahead", **kwargs)
+        return strategy_for("lookahead", check_count=False, **kwargs)
     return strategy_for(variant, **kwargs)
 
 
@@ -196,8 +196,12 @@ def test_class_weighted_count_rejects_bad_weights(weight: Any) -> None:
 )
 @pytest.mark.parametrize("batch", [(torch.zeros(2, 3), torch.zeros(2, 3)), {"input_ids": torch.zeros(2, 3)}])
 def test_a_batch_without_labels_names_the_count_and_the_fix(count: Callable[[Any], Any], name: str, batch: Any) -> None:
-    with pytest.raises(TypeError, match=rf"`{name}` counts `batch\['labels'\]`, but the batch is a[\s\S]*count_fn="):
+    expected = rf"`{name}` counts `batch\['labels'\]`, but the batch is a[\s\S]*count_fn="
+    with pytest.raises(TypeError, match=expected) as raised:
         count(batch)
+    # the example counts what the chosen count counts: the shifted targets for count_shifted_labels
+    targets = "batch[1][..., 1:]" if name == "count_shifted_labels" else "batch[1]"
+    assert f"count_fn=lambda batch: ({targets} != -100).sum()" in str(raised.value)
 
 
 def test_count_examples_and_count_sequences_errors() -> None:
@@ -568,11 +572,11 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
     train_data = with_shift_labels(data) if form == "shift_labels" else data
     module = ObjectiveModule(hf_model(), train_data, lambda net, b: net(**b).loss, lr=HF_LR)
     # the default count is refused for this model (test_default_count_is_refused_for_a_label_shifting_model): the
-    # control names it, and an explicit count always wins
-    count = count_valid_labels if variant == DEFAULT_COUNT else count_shifted_labels
-    strategy = strategy_for("lookahead", count_fn=count) if variant == DEFAULT_COUNT else strategy_for_variant(
-        variant, count_fn=count
-    )
+    # control names it, with the count check off (it refuses the default count, explicit or not)
+    if variant == DEFAULT_COUNT:
+        strategy = strategy_for("lookahead", count_fn=count_valid_labels, check_count=False)
+    else:
+        strategy = strategy_for_variant(variant, count_fn=count_shifted_labels)
     params, _ = fit(module, strategy, tmp_path, accumulate_grad_batches=ACCUMULATE)
     error = relative_error(params, run_reference(hf_model(), data, hf_objective, lr=HF_LR))
     print(f"hf/{variant}/{form}: relative parameter error {error:.6e}")
@@ -589,32 +593,16 @@ def test_hugging_face_causal_lm(tmp_path: Path, variant: str, form: str) -> None
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_default_count_is_refused_for_a_label_shifting_model(tmp_path: Path, mode: str) -> None:
-    """A `...ForCausalLM` whose `.loss` the step returns, with no `count_fn`: every rank refuses at fit start, naming
-    both counts, before a step trains on the default count's other objective."""
+    """A `...ForCausalLM` whose `.loss` the step returns, with no `count_fn`: the count check refuses on every rank
+    before the first update, naming `count_shifted_labels` (it found a shift, not the model's class)."""
     module = ObjectiveModule(hf_model(), causal_lm_batches(2, 3, seed=61), lambda net, b: net(**b).loss, lr=HF_LR)
     errors = raises_everywhere(
         tmp_path / "outcomes", lambda: fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=ACCUMULATE)
     )
     assert len(set(errors)) == 1, errors
-    assert errors[0].startswith("ValueError: `TokenMeanDDPStrategy` got no `count_fn`, and the LightningModule holds"
-                                " `LlamaForCausalLM`"), errors[0]
-    assert "`count_fn=token_mean.count_shifted_labels`" in errors[0], errors[0]
-    assert "`count_fn=token_mean.count_valid_labels` if the collator already shifted the labels" in errors[0]
-
-
-def test_label_shifting_models_are_told_apart() -> None:
-    from token_mean._hf import label_shifting_model
-
-    transformers = pytest.importorskip("transformers")
-    causal = hf_model()
-    assert label_shifting_model(ObjectiveModule(causal, [], lambda net, b: net(**b).loss)) is causal
-    gpt2 = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=8, n_head=2, vocab_size=VOCAB,
-                                                                 bos_token_id=1, eos_token_id=2))
-    assert label_shifting_model(nn.ModuleList([nn.Linear(2, 2), gpt2])) is gpt2  # named LMHeadModel, not ForCausalLM
-    classifier = transformers.LlamaForSequenceClassification(causal.config)
-    assert label_shifting_model(classifier) is None  # its loss does not shift
-    assert label_shifting_model(causal.model) is None  # the bare decoder has no loss
-    assert label_shifting_model(TinyCausalLM()) is None  # shifts too, but is no Hugging Face model: the user's count
+    assert errors[0].startswith("DenominatorError: token_mean: the count check failed at the accumulation window of"
+                                " optimizer step 0"), errors[0]
+    assert "Fix: `count_fn=token_mean.count_shifted_labels` (the loss never predicts a row's first label" in errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -720,7 +708,8 @@ def fit_monitored(
     from token_mean import DenominatorMonitor
 
     module = ObjectiveModule(TinyCausalLM(), data, lambda net, b: net(b["input_ids"], b["labels"]))
-    strategy = TokenMeanDDPStrategy(count_fn=count_fn, **FORK) if devices > 1 else "auto"
+    # the count check would refuse the wrong count before step 0 (tests/test_count_check.py): off, to test the monitor
+    strategy = TokenMeanDDPStrategy(count_fn=count_fn, check_count=False, **FORK) if devices > 1 else "auto"
     if devices == 1:
         monitor["count_fn"] = count_fn  # the reference records N with the count the run will use
     trainer = pl.Trainer(

@@ -13,7 +13,7 @@ SUM of six over every rank, plus the forward and backward collectives of each re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal
@@ -144,7 +144,8 @@ def objective_error(
     after = capture_rng()
     try:
         replay = _sharded_replay if sharded else _replay
-        buffers = replay(module, parameters, used, slots, window, objective, weigh, dtypes)
+        with _torch.metrics_kept(module):
+            buffers = replay(module, parameters, used, slots, window, objective, weigh, dtypes)
     finally:
         restore_rng(after)
     if distributed:
@@ -203,13 +204,59 @@ def _local(tensor: Tensor) -> Tensor:
 class _Replay(nn.Module):
     """Makes the run's loss a ``forward``, for ``functional_call``."""
 
-    def __init__(self, module: nn.Module, loss_fn: LossFn) -> None:
+    def __init__(self, module: nn.Module, loss_fn: Callable[[nn.Module, Recorded], Any]) -> None:
         super().__init__()
         self.module = module
         self._loss_fn = loss_fn
 
-    def forward(self, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:
+    def forward(self, micro_batch: Recorded) -> Any:
         return self._loss_fn(self.module, micro_batch)
+
+
+def forward_only(module: nn.Module, fn: Callable[[nn.Module, Recorded], Any], micro_batch: Recorded,
+                 context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Any:
+    """``fn(module, micro_batch)`` without gradient, under the micro-batch's recorded RNG state, on cloned buffers:
+    parameters, buffers, RNG streams and ``.grad`` stay as they were (FSDP2 keeps a root it unsharded for a forward
+    without gradient so until it is told to reshard: told here, or the next forward would use stale parameters)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    after = capture_rng()
+    restore_rng(micro_batch.rng)
+    try:
+        with torch.no_grad(), context():
+            return torch.func.functional_call(_Replay(module, fn), _buffer_clones(module), (micro_batch,))
+    finally:
+        restore_rng(after)
+        for submodule in module.modules():
+            if isinstance(submodule, FSDPModule):
+                submodule.reshard()
+
+
+def count_check(module: nn.Module, recorded: Sequence[Recorded], fn: Callable[[nn.Module, Recorded], Any],
+                objective: Objective, num_items: bool, where: str, world: World) -> tuple[float | None, str | None]:
+    """The count check (:mod:`token_mean._count_check`) of a window's ``recorded`` micro-batches, on every rank of
+    ``world`` (the ranks that share N; tensor-parallel peers check the same batch): the largest relative mismatch
+    (None: nothing checkable on any rank) and the error every rank raises (None: passed). ``fn(module,
+    micro_batch)`` is the step's output: a loss, or a mapping with ``"loss"`` (and ``"num_items"``, the count where
+    ``num_items``)."""
+    from token_mean._count_check import check, failure
+
+    def replay(batch: Any, index: int) -> tuple[Tensor | None, Any]:
+        output = forward_only(module, fn, replace(recorded[index], batch=batch), objective.context)
+        if isinstance(output, Mapping):
+            return output.get("loss"), output.get("num_items")
+        return (output, None) if isinstance(output, Tensor) else (None, None)
+
+    batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
+    with _torch.metrics_kept(module):
+        local = check([(mb.batch, mb.filler) for mb in recorded], replay, objective.count_fn,
+                      objective.loss_reduction, num_items, _torch.is_sharded(module), batch_statistics)
+    results = [local]
+    if world.distributed:
+        results = [None] * world.size
+        dist.all_gather_object(results, local, group=world.group)
+    mismatches = [result[0] for result in results if result is not None]
+    return max(mismatches, default=None), failure(results, objective.count_fn, objective.loss_reduction, where)
 
 
 Weigh = Callable[["Recorded", float, "tuple[Tensor | None, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
@@ -529,10 +576,14 @@ class Auditor:
         self._done = True
         error, dtype = objective_error(module, self._recorded, self._objective, self._world)
         tolerance = self.tolerance_for(dtype, self._precision)
-        audit = Audit(window, error, tolerance, error is None or error <= tolerance)
+        objective = self._objective
+        count_error, count_failure = count_check(module, self._recorded, lambda m, mb: objective.loss_fn(m, mb)[0],
+                                                 objective, False, f"optimizer step {window}", self._world)
+        passed = (error is None or error <= tolerance) and count_failure is None
+        audit = Audit(window, error, tolerance, passed, count_error)
         self.audits.append(audit)
         if not audit.passed:
-            message = failure_message(audit, unseen())
+            message = failure_message(audit, unseen()) if count_failure is None else count_failure
             if self.on_failure == "raise":
                 raise AuditError(message)  # the error is the same on every rank: every rank raises
             (rank_zero_warn if self.on_failure == "warn" else rank_zero_info)(message)

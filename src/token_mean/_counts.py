@@ -28,9 +28,10 @@ def _labels(batch: Any, count_name: str, key: str = "labels") -> Tensor:
     if isinstance(labels, Tensor):
         return labels
     what = f"a {type(batch).__name__}" + (f" without a `{key}` tensor" if isinstance(batch, Mapping) else "")
+    targets = "batch[1][..., 1:]" if count_name == "count_shifted_labels" else "batch[1]"  # the count chosen
     raise TypeError(
         f"`{count_name}` counts `batch['{key}']`, but the batch is {what}. Pass a `count_fn` that counts the valid"
-        " items of your batch, for example `TokenMeanDDPStrategy(count_fn=lambda batch: (batch[1] != -100).sum())`"
+        f" items of your batch, for example `TokenMeanDDPStrategy(count_fn=lambda batch: ({targets} != -100).sum())`"
         " for (inputs, targets) tuples, or `count_fn=token_mean.count_examples` to average over rows."
     )
 

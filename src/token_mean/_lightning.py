@@ -270,3 +270,22 @@ def static_graph(strategy: Any) -> bool:
 
     Relies on: ``DDPStrategy`` keeps the arguments it hands to ``DistributedDataParallel`` in ``_ddp_kwargs``."""
     return bool((getattr(strategy, "_ddp_kwargs", None) or {}).get("static_graph"))
+
+
+def replay_training_step(module: Any, batch: Any, index: int) -> Any:
+    """What ``module.training_step(batch, index)`` returns, its ``self.log`` calls dropped (the run's logged metrics
+    stay as they were). Relies on: instance attributes shadow the methods, and Lightning passes ``batch_idx`` only
+    to a step that takes it (``is_param_in_hook_signature``)."""
+    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
+
+    step = module.training_step
+    args: tuple[Any, ...] = (batch, index) if is_param_in_hook_signature(step, "batch_idx", min_args=2) else (batch,)
+    module.log, module.log_dict = _ignore, _ignore
+    try:
+        return step(*args)
+    finally:
+        del module.log, module.log_dict
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None

@@ -15,7 +15,7 @@ CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so 
 
 MODES: tuple[Mode, ...] = ("lookahead", "deferred")
 LOSS_REDUCTIONS: tuple[LossReduction, ...] = ("mean", "sum")
-OWN = ("count_fn", "loss_reduction", "mode", "pad_uneven_ranks")
+OWN = ("count_fn", "loss_reduction", "mode", "pad_uneven_ranks", "check_count")
 START_METHODS = ("popen", "spawn", "fork", "forkserver")  # DDPStrategy's `start_method` literal
 
 
@@ -28,18 +28,21 @@ class Settings:
     loss_reduction: LossReduction
     pad_uneven_ranks: bool
     mode: Mode = "lookahead"
+    check_count: bool = True  # the count check at a fit's first window (Trainer strategies)
 
 
-def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any) -> Settings:
+def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any,
+                     check_count: Any = True) -> Settings:
     """The settings, or a ``ValueError`` naming the argument, its value and the fix."""
     from token_mean._counts import count_valid_labels
 
     if mode not in MODES:
         raise ValueError(f"`mode` must be one of {MODES}, got {mode!r}.")
-    if not isinstance(pad_uneven_ranks, bool):
-        raise ValueError(f"`pad_uneven_ranks` must be True or False, got {pad_uneven_ranks!r}.")
+    for name, value in (("pad_uneven_ranks", pad_uneven_ranks), ("check_count", check_count)):
+        if not isinstance(value, bool):
+            raise ValueError(f"`{name}` must be True or False, got {value!r}.")
     return Settings(checked_count_fn(count_fn) or count_valid_labels, count_fn is not None,
-                    checked_loss_reduction(loss_reduction) or "mean", pad_uneven_ranks, mode)
+                    checked_loss_reduction(loss_reduction) or "mean", pad_uneven_ranks, mode, check_count)
 
 
 def checked_count_fn(count_fn: Any) -> CountFn | None:

@@ -1,8 +1,10 @@
-"""Every touch of torch's private internals, each with the torch (2.13) behaviour it relies on: one file to check."""
+"""Every touch of torch's (and torchmetrics') private internals, each with the behaviour it relies on (torch 2.13,
+torchmetrics 1.9): one file to check."""
 
 from __future__ import annotations
 
 import array
+import contextlib
 from collections.abc import Iterator, Sequence
 from typing import Any
 
@@ -204,3 +206,27 @@ def version(tensor: Tensor) -> int:
     Relies on: ``Tensor._version``, shared with its views, bumped by in-place ops and ``copy_`` (not by NumPy writes).
     """
     return tensor._version
+
+
+@contextlib.contextmanager
+def metrics_kept(module: Module) -> Iterator[None]:
+    """Every torchmetrics ``Metric`` in ``module`` as it was, after whatever a replayed ``training_step`` updated.
+
+    Relies on: a metric's states are the attributes its ``_defaults`` names (``metric_state``), and its update count,
+    computed value and forward cache are ``_update_count``, ``_computed`` and ``_forward_cache``.
+    """
+    from torchmetrics import Metric
+
+    def copied(value: Any) -> Any:
+        return [v.clone() for v in value] if isinstance(value, list) else value.clone()
+
+    saved = [(metric, {name: copied(value) for name, value in metric.metric_state.items()}, metric._update_count,
+              metric._computed, metric._forward_cache)
+             for metric in module.modules() if isinstance(metric, Metric)]
+    try:
+        yield
+    finally:
+        for metric, states, count, computed, cache in saved:
+            for name, value in states.items():
+                setattr(metric, name, value)
+            metric._update_count, metric._computed, metric._forward_cache = count, computed, cache

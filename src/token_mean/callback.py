@@ -222,24 +222,9 @@ def _measure(window: Window, batch: Any, outputs: Any, count_fn: Any, accumulate
 
 def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:
     """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
-    from lightning.pytorch.utilities.signature_utils import is_param_in_hook_signature
-
     if not isinstance(module, LightningModule):
         raise RuntimeError("token_mean: internal error: the audit replays a module that is not a LightningModule.")
-    step = module.training_step
-    args: tuple[Any, ...] = (micro_batch.batch, micro_batch.index)
-    if not is_param_in_hook_signature(step, "batch_idx", min_args=2):
-        args = args[:1]
-    # instance attributes shadow the methods for the replay only: the run's logged metrics stay as they were
-    module.log, module.log_dict = _ignore, _ignore  # type: ignore[method-assign]
-    try:
-        return loss_and_aux(step(*args))
-    finally:
-        del module.log, module.log_dict
-
-
-def _ignore(*args: Any, **kwargs: Any) -> None:
-    return None
+    return loss_and_aux(_lightning.replay_training_step(module, micro_batch.batch, micro_batch.index))
 
 
 def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:

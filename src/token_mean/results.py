@@ -62,12 +62,15 @@ class WindowStats:
 @dataclass(frozen=True)
 class Audit:
     """One audited window: its ``step`` (``trainer.global_step`` before the update), the ``error`` ‖g − g*‖ / ‖g*‖
-    (largest over ranks; ``None`` when N = 0), the ``tolerance``, and whether it ``passed`` (True if N = 0)."""
+    (largest over ranks; ``None`` when N = 0), the ``tolerance``, whether it ``passed`` (True if N = 0), and the
+    count check's ``count_error``, its largest relative mismatch over ranks (``None``: nothing checkable; it fails
+    the audit above its own tolerance, ``docs/counts.md``)."""
 
     step: int
     error: float | None
     tolerance: float
     passed: bool
+    count_error: float | None = None
 
 
 @dataclass(frozen=True)

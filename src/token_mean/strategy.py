@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -25,10 +26,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
+from token_mean._audit import Objective, Recorded, capture_rng, count_check
 from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
+from token_mean._count_check import labels_key
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._layout import Layout, layout, stand_in_loss
+from token_mean._layout import Layout, World, layout, stand_in_loss
 from token_mean._modes import make_mode
 from token_mean._settings import (
     CountFn,
@@ -51,8 +54,9 @@ class TokenMeanStrategy(ParallelStrategy):
     """
 
     def __init__(self, count_fn: CountFn | None = None, loss_reduction: LossReduction = "mean",
-                 mode: Mode = "lookahead", pad_uneven_ranks: bool = True, **kwargs: Any) -> None:
-        self._settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
+                 mode: Mode = "lookahead", pad_uneven_ranks: bool = True, check_count: bool = True,
+                 **kwargs: Any) -> None:
+        self._settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks, check_count)
         self._check_kwargs(kwargs)
         super().__init__(**kwargs)
         self._passes: Passes | None = None  # the fit's passes over the training batches (and its mode), from `setup`
@@ -61,6 +65,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
         self._unwrap_hook: Callable[[], None] | None = None  # undoes the -1 refusal's wrapper (picklable: None)
+        self._checking: list[Recorded] | None = None  # the first window's micro-batches, for the count check
 
     @property
     def count_fn(self) -> CountFn:
@@ -118,13 +123,14 @@ class TokenMeanStrategy(ParallelStrategy):
         super().setup(trainer)  # wraps the model
         if trainer.state.fn != TrainerFn.FITTING:
             return
-        check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation, self._settings.count_fn_given)
+        check_fit(type(self).__name__, trainer, self.handles_gradient_accumulation)
         if self.model is None:
             raise RuntimeError("token_mean: internal error: no model at fit start.")
         mode = make_mode(self._settings, self._layout(self.model), self._track_rank_counts)
         self._passes, self._fitting = Passes(mode, self._settings.pad_uneven_ranks, "epoch"), trainer
         _lightning.read_through(trainer, self._passes)
         self._unwrap_hook = _lightning.refuse_early_epoch_end(trainer.lightning_module, self._left_early)
+        self._checking = [] if self._settings.check_count else None
 
     def _layout(self, model: Module) -> Layout:
         return layout(self, model)
@@ -159,6 +165,9 @@ class TokenMeanStrategy(ParallelStrategy):
         if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
             raise trained_twice_or_skipped(f"Lightning does not step the optimizer after batch {position}, the last"
                                            f" of {micro.window.where}")
+        if self._checking is not None:  # the fit's first window: its batches and RNG states, for the count check
+            self._checking.append(Recorded(args[0] if args else kwargs.get("batch"), capture_rng(), micro.is_filler,
+                                           position))
         output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
         micro.loss_to_backprop(output, args[0] if args else kwargs.get("batch"))
         return returned  # type: ignore[no-any-return]
@@ -192,9 +201,26 @@ class TokenMeanStrategy(ParallelStrategy):
             position = -1 if micro is None else micro.position
             raise trained_twice_or_skipped(f"Lightning steps the optimizer after batch {position}, but {what} ends"
                                            " there only if it is its last")
+        if self._checking is not None:
+            self._check_count(self._checking, micro.window.where)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, once(result), model, **kwargs)
+
+    def _check_count(self, recorded: list[Recorded], where: str) -> None:
+        """The count check of the fit's first window, on every rank before its update (``docs/counts.md``)."""
+        self._checking = None
+        settings, module = self._settings, self._module()
+        objective = Objective(_training_step, settings.count_fn, settings.loss_reduction,
+                              context=self.precision_plugin.train_step_context)
+        world = self._passes.mode.channel.world if self._passes is not None else World.single()
+        mismatch, error = count_check(module, recorded, _training_step, objective, settings.mode == "deferred",
+                                      where, world)
+        if error is not None:
+            raise DenominatorError(error)
+        if mismatch is None and labels_key(settings.count_fn, recorded[0].batch) is not None:
+            rank_zero_warn(f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
+                           " two valid labels (rows). Nothing says the count is the loss's own denominator.")
 
     @override
     def teardown(self) -> None:
@@ -229,15 +255,9 @@ class TokenMeanStrategy(ParallelStrategy):
                        has_loader_states)
 
 
-def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool, count_fn_given: bool) -> None:
+def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:
     """Refuse, at fit start, what the strategy cannot normalize exactly."""
     module = trainer.lightning_module
-    if not count_fn_given:
-        from token_mean._hf import label_shifting_model, shifted_labels_advice
-
-        model = label_shifting_model(module)
-        if model is not None:
-            raise ValueError(shifted_labels_advice(name, model))
     accumulate = trainer.accumulate_grad_batches
     if not isinstance(accumulate, int) or accumulate < 1:
         # Lightning takes any value here and fails later, in its loop (0: ZeroDivisionError)
@@ -271,6 +291,10 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
                 f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
                 " which would count the window's items again. Use a first-order optimizer."
             )
+
+
+def _training_step(module: Module, micro_batch: Recorded) -> Any:
+    return _lightning.replay_training_step(module, micro_batch.batch, micro_batch.index)
 
 
 def once(result: Any) -> Callable[[], Any]:
