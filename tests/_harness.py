@@ -236,7 +236,8 @@ class Recorder(Callback):
         window = getattr(trainer.strategy, "last_window", None)
         if window is not None and window is not self._last:
             self._last = window
-            self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts or ())})
+            terms = {name: term.__dict__ for name, term in (window.terms or {}).items()}
+            self.windows.append({**window.__dict__, "rank_counts": list(window.rank_counts or ()), "terms": terms})
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         # sharded parameters (DTensors under ModelParallelStrategy) are gathered on every rank: a collective

@@ -83,6 +83,7 @@ class Objective:
     loss_reduction: str  # "mean": a micro-batch's loss is the mean over its count; "sum": the sum
     with_aux: bool = False  # add the mean of 'aux_loss' over the window's real micro-batches (the strategy's)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext  # the forward's precision context
+    terms: tuple[Any, ...] = ()  # an objective of several terms: (name, count, reduction) each; the loss a mapping
 
 
 def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -121,23 +122,26 @@ def objective_error(
     """
     parameters = audited_parameters(module)
     device, group, distributed = world.device, world.group, world.distributed
-    read = [(0.0, None, "") if mb.filler else read_count(objective.count_fn, mb.batch) for mb in micro_batches]
-    counts = [count for count, _, _ in read]
-    problems = [f"{problem.what} ({detail})" for _, problem, detail in read if problem is not None]
+    terms = objective.terms or (("", objective.count_fn, objective.loss_reduction),)
+    read = [[(0.0, None, "") if mb.filler else read_count(count_fn, mb.batch) for _, count_fn, _ in terms]
+            for mb in micro_batches]
+    counts = [tuple(count for count, _, _ in row) for row in read]
+    problems = [f"{problem.what} ({detail})" for row in read for _, problem, detail in row if problem is not None]
     real = float(sum(not mb.filler for mb in micro_batches))
     # a bad count travels with the totals, so every rank raises and none waits in the next collective
-    totals = torch.tensor([math.fsum(counts), real, float(bool(problems))], dtype=torch.float64, device=device)
+    sums = [math.fsum(row[t] for row in counts) for t in range(len(terms))]
+    totals = torch.tensor([*sums, real, float(bool(problems))], dtype=torch.float64, device=device)
     if distributed:
         dist.all_reduce(totals, group=group)
-    global_count, global_real, bad = totals.tolist()
+    *global_counts, global_real, bad = totals.tolist()
     if bad:
         where = problems[0] if problems else "on another rank"
         raise AuditError(f"The objective audit could not count a micro-batch of its window: {where}.")
     dtypes = [p.dtype for _, p in parameters]
-    if global_count == 0:
+    if not any(global_counts):
         return None, least_precise(dtypes)
     window = list(zip(micro_batches, counts, strict=True))
-    weigh = _weigher(objective, global_count, global_real)
+    weigh = _weigher(objective, terms, global_counts, global_real)
     sharded = _torch.is_sharded(module)
     parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
     slots = _slots(parameters, used)
@@ -241,36 +245,56 @@ def count_check(module: nn.Module, recorded: Sequence[Recorded], fn: Callable[[n
     ``num_items``)."""
     from token_mean._count_check import check, failure
 
-    def replay(batch: Any, index: int) -> tuple[Tensor | None, Any]:
-        output = forward_only(module, fn, replace(recorded[index], batch=batch), objective.context)
-        if isinstance(output, Mapping):
-            return output.get("loss"), output.get("num_items")
-        return (output, None) if isinstance(output, Tensor) else (None, None)
+    terms = objective.terms or ((None, objective.count_fn, objective.loss_reduction),)
+
+    def replaying(name: str | None) -> Callable[[Any, int], tuple[Tensor | None, Any]]:
+        def replay(batch: Any, index: int) -> tuple[Tensor | None, Any]:
+            output = forward_only(module, fn, replace(recorded[index], batch=batch), objective.context)
+            if isinstance(output, Mapping):
+                items = output.get("num_items")
+                if name is None:
+                    return output.get("loss"), items
+                return output.get(name), items.get(name) if isinstance(items, Mapping) else None
+            return (output, None) if isinstance(output, Tensor) and name is None else (None, None)
+
+        return replay
 
     batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
-    with _torch.metrics_kept(module):
-        local = check([(mb.batch, mb.filler) for mb in recorded], replay, objective.count_fn,
-                      objective.loss_reduction, num_items, _torch.is_sharded(module), batch_statistics)
-    results = [local]
+    with _torch.metrics_kept(module):  # each term checked on its own (several terms: 3 forwards each)
+        local = [check([(mb.batch, mb.filler) for mb in recorded], replaying(name), count_fn, reduction, num_items,
+                       _torch.is_sharded(module), batch_statistics) for name, count_fn, reduction in terms]
+    gathered = [local]
     if world.distributed:
-        results = [None] * world.size
-        dist.all_gather_object(results, local, group=world.group)
-    mismatches = [result[0] for result in results if result is not None]
-    return max(mismatches, default=None), failure(results, objective.count_fn, objective.loss_reduction, where)
+        gathered = [None] * world.size  # type: ignore[list-item]
+        dist.all_gather_object(gathered, local, group=world.group)
+    mismatches = [result[0] for results in gathered for result in results if result is not None]
+    for t, (name, count_fn, reduction) in enumerate(terms):
+        error = failure([results[t] for results in gathered], count_fn, reduction,
+                        where if name is None else f"{where}, term {name!r}")
+        if error is not None:
+            return max(mismatches), error
+    return max(mismatches, default=None), None
 
 
-Weigh = Callable[["Recorded", float, "tuple[Tensor | None, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
-"""(micro-batch, count, replayed (loss, aux), dtypes to append to) → what it adds to J (None: nothing)."""
+Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"],
+                 "Tensor | None"]
+"""(micro-batch, its count per term, replayed (loss, aux), dtypes to append to) → what it adds to J (None: nothing)."""
 
 
-def _weigher(objective: Objective, global_count: float, global_real: float) -> Weigh:
-    """What one replayed micro-batch adds to J: w_m · loss_m (+ aux_m / M, the window's real micro-batches)."""
+def _weigher(objective: Objective, terms: Sequence[Any], global_counts: Sequence[float], global_real: float) -> Weigh:
+    """What one replayed micro-batch adds to J: Σ_t w_t · loss_t (+ aux_m / M, the window's real micro-batches);
+    one term: the loss itself, several: the replayed mapping's term losses."""
 
-    def weigh(micro_batch: Recorded, count: float, replayed: tuple[Tensor | None, Tensor | None],
+    def weigh(micro_batch: Recorded, counts: tuple[float, ...], replayed: tuple[Any, Tensor | None],
               dtypes: list[torch.dtype]) -> Tensor | None:
         loss, aux = replayed
-        total = _weighted(loss, count, objective.loss_reduction, global_count)
-        dtypes += [t.dtype for t in (loss, aux) if t is not None]
+        total = None
+        for (name, _, reduction), count, global_count in zip(terms, counts, global_counts, strict=True):
+            value = (loss.get(name) if isinstance(loss, Mapping) else None) if objective.terms else loss
+            part = _weighted(value if isinstance(value, Tensor) else None, count, reduction, global_count)
+            dtypes += [value.dtype] if isinstance(value, Tensor) else []
+            total = part if total is None else total if part is None else total + part
+        dtypes += [aux.dtype] if aux is not None else []
         if objective.with_aux and not micro_batch.filler and aux is not None:
             total = aux / global_real if total is None else total + aux / global_real
         return total
@@ -283,7 +307,7 @@ def _replay(
     parameters: Sequence[tuple[str, nn.Parameter]],
     used: Sequence[Tensor],
     slots: Sequence[_Slot],
-    window: Sequence[tuple[Recorded, float]],
+    window: Sequence[tuple[Recorded, tuple[float, ...]]],
     objective: Objective,
     weigh: Weigh,
     dtypes: list[torch.dtype],
@@ -298,7 +322,7 @@ def _replay(
     state = {**leaves, **_buffer_clones(module)}
     replay = _Replay(module, objective.loss_fn)
     for micro_batch, count in window:
-        if count == 0 and not (objective.with_aux and not micro_batch.filler):
+        if not any(count) and not (objective.with_aux and not micro_batch.filler):
             continue  # no item: no gradient (its mean loss is 0/0)
         restore_rng(micro_batch.rng)
         with objective.context():
@@ -332,7 +356,7 @@ def _sharded_replay(
     parameters: Sequence[tuple[str, nn.Parameter]],
     used: Sequence[Tensor],
     slots: Sequence[_Slot],
-    window: Sequence[tuple[Recorded, float]],
+    window: Sequence[tuple[Recorded, tuple[float, ...]]],
     objective: Objective,
     weigh: Weigh,
     dtypes: list[torch.dtype],
@@ -346,9 +370,9 @@ def _sharded_replay(
 
     dtypes += [leaf.dtype for leaf in used]
     buffers = _flat_buffers(slots)
-    sink = _Sink()
+    sink = [True]  # open: the hooks add into the flat buffers
     handles = [
-        leaf.register_hook(sink.hook(leaf, view))  # type: ignore[no-untyped-call]
+        leaf.register_hook(_sink(leaf, view, sink))  # type: ignore[no-untyped-call]
         for leaf, view in zip(used, _views(slots, buffers), strict=True)
     ]
     outputs = Outputs(module)
@@ -361,8 +385,8 @@ def _sharded_replay(
                 with outputs.kept(), objective.context():
                     replayed = torch.func.functional_call(replay, state, (micro_batch,))
                 total = weigh(micro_batch, count, replayed, dtypes)
-                sink.open = total is not None and total.requires_grad
-                if not sink.open:
+                sink[0] = total is not None and total.requires_grad
+                if not sink[0]:
                     total = next((t for t in replayed if t is not None and t.requires_grad), None)
                 if total is None:
                     total = outputs.stand_in_loss()  # None: no sharded module ran, no collective to match
@@ -375,31 +399,27 @@ def _sharded_replay(
     return buffers
 
 
-class _Sink:
-    """Tensor hooks that add each used tensor's gradient (made whole) into its flat-buffer slice while ``open``, and
-    hand autograd an expanded 0-dim zero: the flat buffer is the only gradient's worth of memory the replay holds."""
+def _sink(leaf: Tensor, view: Tensor, open_: list[bool]) -> Callable[[Tensor], Tensor]:
+    """A tensor hook that adds the used tensor's gradient (made whole) into its flat-buffer slice while ``open_[0]``,
+    and hands autograd an expanded 0-dim zero: the flat buffer is the only gradient's worth of memory the replay
+    holds."""
+    from torch.distributed.tensor import DTensor
 
-    def __init__(self) -> None:
-        self.open = True
+    def add(gradient: Tensor) -> Tensor:
+        if isinstance(gradient, DTensor) and isinstance(leaf, DTensor):
+            if gradient.placements != leaf.placements:  # a tensor-parallel partial sum: FSDP2 does this too
+                gradient = gradient.redistribute(gradient.device_mesh, leaf.placements)  # open or not: a collective
+            local = gradient.to_local()
+            if open_[0]:
+                view.add_(local)
+            nothing = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
+            return DTensor.from_local(nothing, gradient.device_mesh, gradient.placements, run_check=False,
+                                      shape=gradient.shape, stride=gradient.stride())
+        if open_[0]:
+            view.add_(gradient)
+        return torch.zeros((), dtype=gradient.dtype, device=gradient.device).expand(gradient.shape)
 
-    def hook(self, leaf: Tensor, view: Tensor) -> Callable[[Tensor], Tensor]:
-        from torch.distributed.tensor import DTensor
-
-        def add(gradient: Tensor) -> Tensor:
-            if isinstance(gradient, DTensor) and isinstance(leaf, DTensor):
-                if gradient.placements != leaf.placements:  # a tensor-parallel partial sum: FSDP2 does this too
-                    gradient = gradient.redistribute(gradient.device_mesh, leaf.placements)  # open or not: a collective
-                local = gradient.to_local()
-                if self.open:
-                    view.add_(local)
-                nothing = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
-                return DTensor.from_local(nothing, gradient.device_mesh, gradient.placements, run_check=False,
-                                          shape=gradient.shape, stride=gradient.stride())
-            if self.open:
-                view.add_(gradient)
-            return torch.zeros((), dtype=gradient.dtype, device=gradient.device).expand(gradient.shape)
-
-        return add
+    return add
 
 
 def _sharded_error(

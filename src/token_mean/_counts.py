@@ -114,6 +114,17 @@ def count_examples(batch: Any) -> int:
     return first.shape[0]
 
 
+def count_micro_batches(batch: Any) -> int:
+    """1 for every micro-batch (a filler counts 0): the count of a term whose loss is averaged over the window's real
+    micro-batches on all ranks, as ``"aux_loss"`` is (a router balancing loss in an objective of several terms).
+
+    Example:
+        >>> count_micro_batches({"labels": torch.zeros(3, 4)})
+        1
+    """
+    return 1
+
+
 def count_sequences(batch: Any) -> Tensor:
     """The rows of ``batch["labels"]`` (sequences, tokens) with a valid label, a 0-dim int64 tensor: for seq-mean.
 

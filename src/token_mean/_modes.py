@@ -13,7 +13,8 @@ on the device; the final factor D/N reaches the gradient without a host read, in
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -24,14 +25,24 @@ from token_mean._counts import first_labels, read_count
 from token_mean._layout import Layout
 from token_mean._problems import Problem
 from token_mean._reader import Entry
-from token_mean._record import Channel, Kind, Reduced, Slot
-from token_mean._settings import Settings
-from token_mean._window import Ended, MicroBatch, StepOutput, Window, check_global_count, mismatch, scale_of
+from token_mean._record import TERM_COUNT, TERM_LOSS_SUM, TERM_NEXT_COUNT, Channel, Kind, Reduced, Slot
+from token_mean._settings import RESERVED, Settings
+from token_mean._window import (
+    Ended,
+    MicroBatch,
+    StepOutput,
+    Window,
+    check_global_count,
+    count_received,
+    mismatch,
+    scale_of,
+)
 from token_mean.results import WindowStats
 
-Counts = tuple[int, list[float], float, float]
+Counts = tuple[int, list[Any], Any, float]
 """A window's counts, known before its first forward: where it stops, this rank's count at each of its positions (0
-for a filler), N, and its real micro-batches over all ranks (what 'aux_loss' is averaged over)."""
+for a filler), N, and its real micro-batches over all ranks (what 'aux_loss' is averaged over). An objective of
+several terms has a tuple of counts at each position and a tuple of N, one per term."""
 
 
 class Mode:
@@ -92,7 +103,7 @@ class Mode:
 
 def make_mode(settings: Settings, layout: Layout, rank_counts: bool) -> Mode:
     """The mode ``settings`` name, over ``layout``; ``rank_counts`` adds every rank's count to each record."""
-    channel = Channel(layout.world, rank_counts, layout.join_backward)
+    channel = Channel(layout.world, rank_counts, layout.join_backward, len(settings.terms))
     return (Lookahead if settings.mode == "lookahead" else Deferred)(channel, settings, layout)
 
 
@@ -102,19 +113,24 @@ class Lookahead(Mode):
 
     def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
              entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+        kind = _TermsWindow if self.settings.terms else _LookaheadWindow
         if counts is not None:
-            return _LookaheadWindow(self, start, stop, accumulate, step, counts, unchanged)
+            return kind(self, start, stop, accumulate, step, counts, unchanged)
         # the pass's first window (or the first after K changed): a collective of its own, before its first forward
         stop = start + len(entries)  # fewer where a loader that yields nothing ends
-        window = _LookaheadWindow(self, start, stop, accumulate, step, (stop, [], 0.0, 0.0), unchanged)
+        nothing = (0.0,) * len(self.settings.terms) if self.settings.terms else 0.0
+        window = kind(self, start, stop, accumulate, step, (stop, [], nothing, 0.0), unchanged)
         local, host = self.announce(entries, window)
         reduced = self.channel.reduce(Kind.FIRST_COUNTS, host, flags=window.flags)
         reduced.check(window.where, window.detail)
         window.known(self.accept(reduced, stop, local, window, lambda: window.where))
         return window
 
-    def announce(self, entries: Sequence[Entry], window: Window) -> tuple[list[float], dict[Slot, float]]:
-        """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``."""
+    def announce(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
+        """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``; with
+        several terms, each term's count of each batch (:meth:`_announce_terms`)."""
+        if self.settings.terms:
+            return self._announce_terms(entries, window)
         local, real = [], 0.0
         for entry in entries:
             real += not entry.filler
@@ -132,14 +148,41 @@ class Lookahead(Mode):
             total = 0.0
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
-    def accept(self, reduced: Reduced, stop: int, local: list[float], window: Window,
+    def _announce_terms(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
+        terms = self.settings.terms
+        local: list[tuple[float, ...]] = []
+        for entry in entries:
+            if entry.aliased:
+                window.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch"
+                            " held before it")
+            counts = []
+            for name, count_fn, _ in terms:
+                count, problem, detail = (0.0, None, "") if entry.filler else read_count(count_fn, entry.batch)
+                if problem is not None:
+                    window.flag(problem, f"the batch at position {entry.position} (read ahead, term {name!r}):"
+                                f" {detail}")
+                counts.append(count)
+            local.append(tuple(counts))
+        real = float(sum(not entry.filler for entry in entries))
+        host: dict[Slot, float] = {Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
+        for t in range(len(terms)):
+            total = _fsum(counts[t] for counts in local)
+            if not math.isfinite(total):  # finite counts whose sum overflows float64
+                window.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
+                total = 0.0
+            host[self.channel.term_slot(t, TERM_NEXT_COUNT)] = total  # type: ignore[index]
+        return local, host
+
+    def accept(self, reduced: Reduced, stop: int, local: list[Any], window: Window,
                where: Callable[[], str]) -> Counts:
         """The announced counts of the window ``where`` names, which ends at ``stop``, raising an N that cannot
-        normalize before its use (``window``: the one whose record brought them)."""
-        global_count = reduced[Slot.NEXT_COUNT]
-        check_global_count(global_count, self.world_size * window.accumulate, where, window.detail,
-                           self.channel.world.rank)
-        return stop, local, global_count, reduced[Slot.NEXT_REAL]
+        normalize before its use (``window``: the one whose record brought them); several terms: an N per term."""
+        terms = len(self.settings.terms)
+        counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
+        for global_count in counts:
+            check_global_count(global_count, self.world_size * window.accumulate, where, window.detail,
+                               self.channel.world.rank)
+        return stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL]
 
 
 class _LookaheadWindow(Window):
@@ -173,7 +216,7 @@ class _LookaheadWindow(Window):
                     if reported is not None:
                         self.check_equal(mismatch(settings.count_fn_given), reported, micro.count, first_labels(batch))
             else:  # moved to the device or changed by a hook: counted again as received, and the two must agree
-                received = self.count_received(batch, output, settings.count_fn, settings.count_fn_given, False)
+                received = count_received(self, batch, output, settings.count_fn, settings.count_fn_given, False)
                 self.check_equal(Problem.COUNT_CHANGED, micro.count, received)
             if output.loss is None:
                 self.flag(Problem.NO_LOSS)
@@ -207,6 +250,110 @@ class _LookaheadWindow(Window):
 
     def where_next(self, stop: int) -> str:
         return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
+
+
+class _TermsWindow(_LookaheadWindow):
+    """A lookahead window of an objective of several terms: each term's counts read ahead, each term's loss scaled by
+    P·n_t/N_t (a sum-reduced term by P/N_t), and each term's count and loss sum in three slots of the record."""
+
+    def known(self, counts: Counts) -> None:
+        _, self._read, self._n, self._real = counts
+        self._shares = [scale_of(self._lookahead.world_size, count) for count in self._n]
+        self._term_counts: list[tuple[float, ...]] = []
+        self._term_losses: list[list[Tensor | None]] = []
+
+    def _count_of(self, entry: Entry) -> float:
+        return 0.0 if entry.filler else _fsum(self._read[entry.position - self.start])
+
+    def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
+        terms = self._lookahead.settings.terms
+        counts = (0.0,) * len(terms) if micro.filler else self._read[micro.position - self.start]
+        given = output.terms or {}
+        losses = [value if isinstance(value := given.get(name), Tensor) else None for name, _, _ in terms]
+        if not micro.filler:
+            self._check_terms(output, losses, counts, batch)
+        kept = [loss for loss, count in zip(losses, counts, strict=True) if loss is not None and count > 0]
+        self.add(_fsum(counts), sum(kept[1:], kept[0]) if kept else None, micro.filler)
+        self._term_counts.append(counts)
+        self._term_losses.append([None if loss is None else loss.detach() for loss in losses])
+        if micro.last:
+            self._next_local, host = self._lookahead.announce(self._following, self)
+            self.close(host)
+        scaled = None
+        for loss, count, (_, _, reduction), share in zip(losses, counts, terms, self._shares, strict=True):
+            if loss is None:
+                continue
+            if count > 0:
+                term = loss * ((count if reduction == "mean" else 1.0) * share)
+            else:  # an empty term's mean is 0/0 = NaN; its backward must still run for the reduction
+                term = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            scaled = term if scaled is None else scaled + term
+        return scaled if scaled is not None else output.backprop * 0.0
+
+    def _check_terms(self, output: StepOutput, losses: list[Tensor | None], counts: tuple[float, ...],
+                     batch: Any) -> None:
+        """The step returned exactly the terms, and counted as read (or as received, and the two agree)."""
+        terms = self._lookahead.settings.terms
+        names = [name for name, _, _ in terms]
+        given = output.terms or {}
+        extra = [key for key, value in given.items() if isinstance(value, Tensor) and key not in names
+                 and key not in RESERVED]
+        if output.terms is None or extra or any(loss is None for loss in losses):
+            returned = sorted(key for key, value in given.items() if isinstance(value, Tensor))
+            self.flag(Problem.TERMS_MISMATCH, f"`training_step` returned the tensors {returned} where `count_fn`"
+                      f" names the terms {sorted(names)}")
+        reported = output.num_items if isinstance(output.num_items, Mapping) else {}
+        unchanged = self._unchanged(batch)
+        for (name, count_fn, _), count in zip(terms, counts, strict=True):
+            if name in reported and (value := self.on_device(reported[name], f"'num_items[{name!r}]'")) is not None:
+                self.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, value, count)
+            if not unchanged:  # moved to the device or changed by a hook: counted again as received
+                received = count_received(self, batch, StepOutput(None, None, None, output.backprop), count_fn,
+                                               True, False)
+                self.check_equal(Problem.COUNT_CHANGED, count, received)
+
+    def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
+        local = _fsum(float(count) for count in self.counts)
+        host[Slot.COUNT] = local
+        sums = []
+        for t, (_, _, reduction) in enumerate(self._lookahead.settings.terms):
+            counts = [term_counts[t] for term_counts in self._term_counts]
+            host[self.channel.term_slot(t, TERM_COUNT)] = _fsum(counts)  # type: ignore[index]
+            kept = [(loss, count if reduction == "mean" else 1.0)
+                    for losses, count in zip(self._term_losses, counts, strict=True)
+                    if count > 0 and (loss := losses[t]) is not None]
+            if kept:
+                weighted = torch.stack([loss.to(torch.float64) * weight for loss, weight in kept]).sum()
+                device.append((self.channel.term_slot(t, TERM_LOSS_SUM), weighted))  # type: ignore[arg-type]
+                sums.append(weighted)
+        if sums:  # the record's loss sum: finite exactly when every term's is (the window's health)
+            device.append((Slot.LOSS_SUM, torch.stack(sums).sum()))
+        return local
+
+    def end(self) -> Ended:
+        reduced, local = self.read()
+        stop = self.stop + len(self._next_local)
+        next_counts = self._lookahead.accept(reduced, stop, self._next_local, self, lambda: self.where_next(stop))
+        terms = {}
+        for t, (name, _, _) in enumerate(self._lookahead.settings.terms):
+            global_count = self._n[t]
+            loss = None if global_count == 0 else reduced.term(t, TERM_LOSS_SUM) / global_count
+            local_count = _fsum(term_counts[t] for term_counts in self._term_counts)
+            terms[name] = WindowStats(global_count, local_count, None, self.length, loss, global_count == 0,
+                                      self.mode)
+        total = _fsum(self._n)
+        objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
+        stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
+        return stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts
+
+
+def _fsum(values: Iterable[float]) -> float:
+    """An exact sum, inf where it overflows float64 (a count problem the window raises, not an OverflowError)."""
+    listed = [float(value) for value in values]
+    try:
+        return math.fsum(listed)
+    except OverflowError:
+        return sum(listed)
 
 
 class Deferred(Mode):
@@ -290,12 +437,14 @@ class _DeferredWindow(Window):
             raise ValueError(
                 "token_mean: an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize: its"
                 " token scale is only known after the last backward, when both terms already share one gradient"
-                " buffer. Use `mode='lookahead'` (the default), or add the auxiliary term to 'loss' yourself."
+                " buffer. Use `mode='lookahead'` (the default), where 'aux_loss' is averaged over micro-batches,"
+                " or where each term can have its own count (`count_fn={'lm': ..., 'aux': ...}`, docs/counts.md,"
+                " objectives of several terms); adding it to 'loss' would average it over the tokens."
             )
         settings = self._deferred.settings
         count: Tensor | float = 0.0
         if not micro.filler:
-            count = self.count_received(batch, output, settings.count_fn, settings.count_fn_given, True)
+            count = count_received(self, batch, output, settings.count_fn, settings.count_fn_given, True)
             if output.loss is None:
                 self.flag(Problem.NO_LOSS)
         self.add(count, None if micro.filler else output.loss, micro.filler)

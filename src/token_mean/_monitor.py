@@ -96,15 +96,17 @@ class Monitoring:
         """The first divergent step of the last run (set on every rank), None if none or no reference."""
         self._reference: TraceComparison | None = None
         self._writer: TraceWriter | None = None
+        self._terms: tuple[str, ...] = ()  # an objective of several terms: their names, from the front end
         self._warned_past_reference = False
         self._constructed()
 
     def _constructed(self) -> None:
         """What a front end's monitor checks and sets up once the shared settings are checked."""
 
-    def _read_reference(self) -> None:
+    def _read_reference(self, terms: tuple[str, ...] = ()) -> None:
+        self._terms = terms
         if self.reference is not None:
-            self._reference = TraceComparison(self.reference, self.rtol, self.atol, type(self).__name__)
+            self._reference = TraceComparison(self.reference, self.rtol, self.atol, type(self).__name__, terms=terms)
 
     @property
     def fingerprints(self) -> bool:
@@ -118,7 +120,7 @@ class Monitoring:
         if self._reference is not None:
             self._reference.check_length(first_step, total_steps)
         if self.record is not None and writes:
-            self._writer = TraceWriter(self.record)
+            self._writer = TraceWriter(self.record, self._terms)
 
     def _window(self, step: int, stats: WindowStats, elapsed: float, norms: tuple[Tensor | None, Tensor | None],
                 naive_loss: float | None = None) -> tuple[dict[str, float], bool]:
@@ -169,7 +171,10 @@ def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor
     present = [norm for norm in norms if norm is not None]
     host = iter(torch.stack(present).tolist() if present else [])  # one device-to-host copy for both fingerprints
     grad_norm, param_norm = (None if norm is None else next(host) for norm in norms)
+    terms = {f"{name}/{column}": getattr(term, column) for name, term in (stats.terms or {}).items()
+             for column in ("global_count", "loss")}
     return {
+        **terms,
         "step": step,
         "global_count": stats.global_count,
         "loss": stats.loss,
@@ -205,6 +210,10 @@ def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None)
         metrics["naive_loss"] = naive_loss
     if stats.audit_error is not None:
         metrics["audit_error"] = stats.audit_error
+    for name, term in (stats.terms or {}).items():  # an objective of several terms: each term's N_t and mean loss
+        metrics[f"{name}/global_count"] = term.global_count
+        if term.loss is not None:
+            metrics[f"{name}/loss"] = term.loss
     return metrics
 
 
@@ -218,8 +227,16 @@ def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
     return None, None
 
 
-def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Tensor | None, Tensor | None]]:
-    return lambda module, micro_batch: loss_and_aux(audit_loss(module, micro_batch.batch))
+def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Any, Tensor | None]]:
+    """``audit_loss`` as the audit replays it: (loss, aux), the loss a mapping of term losses for several terms."""
+
+    def replay(module: Any, micro_batch: Any) -> tuple[Any, Tensor | None]:
+        output = audit_loss(module, micro_batch.batch)
+        if isinstance(output, Mapping) and not isinstance(output.get("loss"), Tensor):
+            return output, None
+        return loss_and_aux(output)
+
+    return replay
 
 
 def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:

@@ -31,6 +31,11 @@ class Problem(Enum):
         "`training_step` returned no loss (None, or a dict without 'loss')",
         "return the micro-batch's loss (a tensor, or a dict with a 'loss' key) from every `training_step`.",
     )
+    TERMS_MISMATCH = (
+        "the terms `training_step` returned are not the terms `count_fn` names",
+        "return a mapping with one loss per key of `count_fn` (and no other tensor), e.g. `{'lm': lm_loss, 'cls':"
+        " cls_loss}` for `count_fn={'lm': ..., 'cls': ...}` (docs/counts.md, objectives of several terms).",
+    )
     BAD_LOSS = (
         "the loss of a micro-batch that the count says holds valid items is NaN or infinite (or count × loss"
         " overflows float64)",

@@ -79,6 +79,10 @@ BITS = RANKS + len(MARKS)  # then one per mark: the sum of 2**rank over those ra
 RECORD_SIZE = BITS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
 
 
+TERM_SLOTS = 3
+TERM_COUNT, TERM_LOSS_SUM, TERM_NEXT_COUNT = range(TERM_SLOTS)
+"""A term's slots: its count (this rank's share of N_t), its loss sum and, in lookahead, the next window's count."""
+
 Slots = tuple[int, ...]
 """Several slots a 1-d device value adds to, one element each (:class:`Slot` members, or a per-rank slot)."""
 
@@ -97,16 +101,24 @@ class Channel:
     that backward (with zeros) before anyone raises."""
 
     def __init__(
-        self, world: World, rank_counts: bool = False, join_backward: Callable[[], None] | None = None
+        self, world: World, rank_counts: bool = False, join_backward: Callable[[], None] | None = None,
+        terms: int = 0,
     ) -> None:
         self.world = world
         self.rank_counts = rank_counts
+        self.terms = terms  # an objective of several terms: TERM_SLOTS more slots per term, at the record's end
         self._join_backward = join_backward
         self._sequence = 0
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
         self._zero: Tensor | None = None
-        self._zeros = array.array("d", bytes(8 * (RECORD_SIZE + (world.size if rank_counts else 0))))
+        self._size = RECORD_SIZE + (world.size if rank_counts else 0) + TERM_SLOTS * terms
+        self._zeros = array.array("d", bytes(8 * self._size))
+
+    def term_slot(self, term: int, what: int) -> int:
+        """Where term ``term``'s value ``what`` (:data:`TERM_COUNT`, ``TERM_LOSS_SUM`` or ``TERM_NEXT_COUNT``)
+        goes in this channel's records."""
+        return self._size - TERM_SLOTS * (self.terms - term) + what
 
     def zero(self) -> Tensor:
         """A float64 zero on the world's device, made once per channel (a fit); never written to."""
@@ -195,7 +207,7 @@ class Channel:
         return reduced
 
     def _exchange(self, kind: Kind, record: Tensor, op: Any) -> Exchange:
-        exchange = Exchange(kind, record, self.world, op)
+        exchange = Exchange(kind, record, self.world, op, self.terms)
         self._sequence += 1
         return exchange
 
@@ -204,10 +216,11 @@ class Exchange:
     """One record's all-reduce, started at once: ``wait()`` gives the reduced record on the device without a host
     sync, ``read()`` copies it to the host (once per window, after its last backward)."""
 
-    def __init__(self, kind: Kind, record: Tensor, world: World, op: Any) -> None:
+    def __init__(self, kind: Kind, record: Tensor, world: World, op: Any, terms: int = 0) -> None:
         self.kind = kind
         self.record = record
         self.world = world
+        self.terms = terms
         self._work = _torch.start_all_reduce(world.group, record, op) if world.distributed else None
 
     def wait(self) -> Tensor:
@@ -220,25 +233,29 @@ class Exchange:
         """The reduced record on the host, with ``extra`` local device values (1-d, float64) read in the same copy."""
         record = self.wait()
         if extra is None:
-            return Reduced(self.kind, record.tolist(), self.world, [])
+            return Reduced(self.kind, record.tolist(), self.world, [], self.terms)
         values: list[float] = torch.cat([record, extra]).tolist()
-        return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :])
+        return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :], self.terms)
 
 
 class Reduced:
     """A record summed over ranks, on the host (``local``: this rank's own values read with it)."""
 
-    __slots__ = ("kind", "local", "values", "world")  # made once per window: a frozen dataclass costs ~3x the time
+    __slots__ = ("kind", "local", "terms", "values", "world")  # made once per window: a dataclass costs ~3x the time
 
-    def __init__(self, kind: Kind, values: list[float], world: World, local: list[float]) -> None:
-        self.kind, self.values, self.world, self.local = kind, values, world, local
+    def __init__(self, kind: Kind, values: list[float], world: World, local: list[float], terms: int = 0) -> None:
+        self.kind, self.values, self.world, self.local, self.terms = kind, values, world, local, terms
 
-    def __getitem__(self, slot: Slot) -> float:
+    def __getitem__(self, slot: Slot | int) -> float:
         return self.values[slot]
 
     def rank_counts(self) -> tuple[float, ...] | None:
-        extra = self.values[RECORD_SIZE:]
+        extra = self.values[RECORD_SIZE : len(self.values) - TERM_SLOTS * self.terms]
         return tuple(extra) if extra else None
+
+    def term(self, term: int, what: int) -> float:
+        """Term ``term``'s value ``what``, summed over ranks (:meth:`Channel.term_slot`)."""
+        return self.values[len(self.values) - TERM_SLOTS * (self.terms - term) + what]
 
     def ranks_with(self, mark: Mark) -> tuple[int, list[int]]:
         """How many ranks set ``mark``, and those of them below :data:`NAMED_RANKS`."""

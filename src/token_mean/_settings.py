@@ -12,6 +12,9 @@ from typing import Any, Literal
 LossReduction = Literal["mean", "sum"]
 Mode = Literal["lookahead", "deferred"]
 CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
+Term = tuple[str, CountFn, LossReduction]
+"""One term of an objective of several: its name (the key of its loss and its count), its count, its reduction."""
+RESERVED = ("loss", "aux_loss", "num_items")  # keys of a step's output with a meaning of their own
 
 MODES: tuple[Mode, ...] = ("lookahead", "deferred")
 LOSS_REDUCTIONS: tuple[LossReduction, ...] = ("mean", "sum")
@@ -29,6 +32,7 @@ class Settings:
     pad_uneven_ranks: bool
     mode: Mode = "lookahead"
     check_count: bool = True  # the count check at a fit's first window (Trainer strategies)
+    terms: tuple[Term, ...] = ()  # an objective of several terms (then `count_fn` sums their counts), else ()
 
 
 def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any,
@@ -41,8 +45,46 @@ def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_r
     for name, value in (("pad_uneven_ranks", pad_uneven_ranks), ("check_count", check_count)):
         if not isinstance(value, bool):
             raise ValueError(f"`{name}` must be True or False, got {value!r}.")
+    if isinstance(count_fn, Mapping):
+        terms = checked_terms(count_fn, loss_reduction, mode)
+        return Settings(_total(terms), True, "mean", pad_uneven_ranks, mode, check_count, terms)
+    if isinstance(loss_reduction, Mapping):
+        raise ValueError(f"`loss_reduction` is a mapping ({dict(loss_reduction)!r}) but `count_fn` is not: an"
+                         " objective of several terms names its counts in a mapping with the same keys.")
     return Settings(checked_count_fn(count_fn) or count_valid_labels, count_fn is not None,
                     checked_loss_reduction(loss_reduction) or "mean", pad_uneven_ranks, mode, check_count)
+
+
+def checked_terms(count_fn: Mapping[Any, Any], loss_reduction: Any, mode: Any) -> tuple[Term, ...]:
+    """The terms of ``count_fn={name: count}`` and ``loss_reduction`` (one for all, or a mapping with the same keys),
+    or a ``ValueError`` naming the argument, its value and the fix (docs/counts.md, objectives of several terms)."""
+    names = list(count_fn)
+    if not names or any(not isinstance(name, str) or not name or name in RESERVED for name in names):
+        raise ValueError(f"`count_fn` as a mapping names the terms of the objective: non-empty str keys other than"
+                         f" {RESERVED}, got keys {names!r}.")
+    reductions = loss_reduction if isinstance(loss_reduction, Mapping) else dict.fromkeys(names, loss_reduction)
+    if set(reductions) != set(names):
+        raise ValueError(f"`loss_reduction` must name the same terms as `count_fn` ({sorted(names)}), got"
+                         f" {sorted(reductions)}; or pass one reduction for every term.")
+    if mode != "lookahead":
+        raise ValueError(
+            f"`count_fn` with several terms ({sorted(names)}) needs `mode='lookahead'`: deferred mode corrects the"
+            " scale with one factor D/N after the window's last backward, when the terms already share one gradient,"
+            " so it cannot give each term its own N. Use `mode='lookahead'` (the default)."
+        )
+    return tuple((name, checked_count_fn(count_fn[name]) or _missing(name), checked_loss_reduction(reductions[name])
+                  or "mean") for name in names)
+
+
+def _missing(name: str) -> CountFn:
+    raise TypeError(f"`count_fn[{name!r}]` is None: give each term a count (`token_mean.count_micro_batches` for a"
+                    " term averaged over micro-batches).")
+
+
+def _total(terms: tuple[Term, ...]) -> CountFn:
+    """One count for the whole objective: what its terms count together (where one figure is needed)."""
+    counts = [count for _, count, _ in terms]
+    return lambda batch: sum(count(batch) for count in counts)
 
 
 def checked_count_fn(count_fn: Any) -> CountFn | None:

@@ -24,6 +24,12 @@ INFO_COLUMNS = ("world_size", "window_length", "imbalance", "naive_weight_error"
 
 TRACE_COLUMNS = (*REQUIRED_COLUMNS, *INFO_COLUMNS)
 
+
+def term_columns(terms: Sequence[str]) -> tuple[str, ...]:
+    """The columns of an objective of several terms, two per term after the others, compared like them:
+    ``"{term}/global_count"`` (N_t) and ``"{term}/loss"`` (the term's global mean)."""
+    return tuple(f"{term}/{column}" for term in terms for column in ("global_count", "loss"))
+
 TraceValue = float | None
 TraceRow = dict[str, TraceValue]
 
@@ -236,8 +242,9 @@ def _row(raw_values: Sequence[object], path: Path, line: int, extra: Sequence[st
 class TraceWriter:
     """Write one row per optimizer step to a CSV or JSON Lines file, flushed per row: a crash keeps the steps so far."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], terms: Sequence[str] = ()) -> None:
         self.path = Path(path)
+        self.columns = (*TRACE_COLUMNS, *term_columns(terms))
         self._format = trace_format(self.path, "record")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         newline = "" if self._format == "csv" else None
@@ -245,7 +252,7 @@ class TraceWriter:
         self._csv: Any = None
         weakref.finalize(self, self._file.close)  # the file closes itself with its writer (or at exit)
         if self._format == "csv":
-            self._csv = csv.DictWriter(self._file, fieldnames=TRACE_COLUMNS)
+            self._csv = csv.DictWriter(self._file, fieldnames=self.columns)
             self._csv.writeheader()
 
     def write(self, row: Mapping[str, float | int | None]) -> None:
@@ -253,9 +260,9 @@ class TraceWriter:
             raise RuntimeError(f"The trace {str(self.path)!r} is closed.")
         if self._csv is not None:
             # repr() round-trips a float exactly; None becomes an empty field.
-            self._csv.writerow({name: "" if row.get(name) is None else repr(row[name]) for name in TRACE_COLUMNS})
+            self._csv.writerow({name: "" if row.get(name) is None else repr(row[name]) for name in self.columns})
         else:
-            self._file.write(json.dumps({column: row.get(column) for column in TRACE_COLUMNS}) + "\n")
+            self._file.write(json.dumps({column: row.get(column) for column in self.columns}) + "\n")
         self._file.flush()
 
     def close(self) -> None:
@@ -297,10 +304,12 @@ class TraceComparison:
     """A reference trace and the tolerances to compare each step of a run with it, in ``COMPARED_COLUMNS`` order."""
 
     def __init__(self, path: str | os.PathLike[str], rtol: float, atol: float,
-                 monitor: str = "DenominatorMonitor", rows: dict[int, TraceRow] | None = None) -> None:
+                 monitor: str = "DenominatorMonitor", rows: dict[int, TraceRow] | None = None,
+                 terms: Sequence[str] = ()) -> None:
         self.path = os.fspath(path)
         self.monitor = monitor  # the front end's monitor, named in messages
-        self.rows: dict[int, TraceRow] = read_trace(path, writer=monitor) if rows is None else rows
+        self.terms = term_columns(terms)  # compared where the reference has them
+        self.rows = read_trace(path, extra=self.terms, writer=monitor) if rows is None else rows
         self.rtol = rtol
         self.atol = atol
 
@@ -333,16 +342,19 @@ class TraceComparison:
         reference = self.rows.get(step)
         if reference is None:
             return None
-        for column in COMPARED_COLUMNS:
-            value, expected = row[column], reference[column]
+        # a term's columns where the reference has them (it may come from a run of one term): its N_t, its loss
+        terms = [column for column in self.terms if reference.get(column.rpartition("/")[0] + "/global_count")
+                 is not None]
+        for column in (*COMPARED_COLUMNS, *terms):
+            value, expected = row.get(column), reference.get(column)
             value = None if value is None else float(value)
-            rtol, atol = (COUNT_RTOL, 0.0) if column == "global_count" else (self.rtol, self.atol)
+            rtol, atol = (COUNT_RTOL, 0.0) if column.endswith("global_count") else (self.rtol, self.atol)
             if close(value, expected, rtol, atol):
                 continue
             message = (
                 f"{self.monitor}: step {step} diverged from the reference trace {self.path!r}: {column} is"
                 f" {value!r} here but {expected!r} in the reference (tolerance {atol:g} + {rtol:g} × |reference|)."
-                f" Likely cause: {_CAUSES[column]}."
+                f" Likely cause: {_CAUSES[column.rpartition('/')[2]]}."
             )
             return Divergence(step, column, value, expected, message)
         return None

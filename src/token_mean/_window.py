@@ -57,11 +57,18 @@ class StepOutput(NamedTuple):
     aux_loss: Tensor | None
     num_items: Any  # None when not reported
     backprop: Tensor  # what its backward runs: the loss, or a stand-in that keeps this rank's collectives in step
+    terms: Mapping[str, Any] | None = None  # an objective of several terms: the mapping the step returned
 
     @staticmethod
-    def of(output: Any, stand_in: Callable[[], Tensor]) -> tuple[StepOutput, Any]:
+    def of(output: Any, stand_in: Callable[[], Tensor], terms: Sequence[str] = ()) -> tuple[StepOutput, Any]:
         """A ``training_step``'s output taken apart, and what the loop gets back (a stand-in loss where the user's
-        was missing: every rank then reaches the window's collective, where all of them raise)."""
+        was missing: every rank then reaches the window's collective, where all of them raise). With ``terms``, a
+        mapping's term losses; the loop gets them back with their sum as its ``"loss"``."""
+        if terms:
+            mapping = output if isinstance(output, Mapping) else {}
+            present = [value for name in terms if isinstance(value := mapping.get(name), Tensor)]
+            total = sum(present[1:], present[0]) if present else stand_in()
+            return StepOutput(None, None, mapping.get("num_items"), total, mapping), {**mapping, "loss": total}
         if isinstance(output, Tensor):
             return StepOutput(output, None, None, output), output
         if isinstance(output, Mapping):
@@ -228,25 +235,6 @@ class Window:
         """Add a device value to ``slot`` of the record (``NAIVE``)."""
         self._added.append((slot, value))
 
-    def count_received(self, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool,
-                       use_num_items: bool) -> Tensor | float:
-        """The count of the batch the forward received, with no host sync: a host float where a named label count
-        reads CPU labels with numpy, else a float64 device scalar. With ``use_num_items`` a reported 'num_items' is
-        the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
-        reported = None if output.num_items is None else self.on_device(output.num_items, "'num_items'")
-        counted: Tensor | float | None = None
-        if given or output.num_items is None or not use_num_items:
-            host = host_count(count_fn, batch)
-            try:
-                counted = float(host) if host is not None else self.on_device(count_fn(batch), "`count_fn`")
-            except Exception as error:  # every rank must reach the collective to learn of it
-                self.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__} on the batch"
-                          f" `training_step` received: {error}")
-        if reported is not None and counted is not None:
-            self.check_equal(mismatch(given), reported, counted, first_labels(batch))
-        chosen = reported if reported is not None and use_num_items else counted
-        return chosen if chosen is not None else self.channel.zero()
-
     def on_device(self, value: Any, source: str) -> Tensor | None:
         count, detail = device_count(value, source, self.channel.world.device)
         if count is None:
@@ -275,10 +263,7 @@ class Window:
         device: list[tuple[Slot | tuple[int, ...], Tensor]] = list(self._added)
         flags: frozenset[Problem] = frozenset(self._flags)
         device_flags: Flags = ()
-        if all(type(count) is float for count in self.counts):
-            self._local = _host_sums(self, sums, device)
-        else:
-            self._local = _device_sums(self, device)
+        self._local = self._sums(sums, device)
         if self.aux:
             device.append((Slot.AUX_SUM, torch.stack(self.aux).to(torch.float64).sum()))
         for pairs in self.pairs.values():  # how many pairs differ (the diagnosis says by how much)
@@ -287,6 +272,12 @@ class Window:
         if self.channel.world.replica_group is not None:
             device_flags, flags = _shared_with_replicas(self, flags, _device_flags(self)), frozenset()
         self._exchange = self.channel.start(Kind.WINDOW, sums, device, flags, device_flags)
+
+    def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> Tensor | float:
+        """The micro-batches' counts and loss sums into the record; this rank's count (host float or device)."""
+        if all(type(count) is float for count in self.counts):
+            return _host_sums(self, host, device)
+        return _device_sums(self, device)
 
     def global_count(self) -> Tensor:
         """N on the device, waiting for the exchange on the device only (no host read)."""
@@ -325,6 +316,26 @@ class Window:
                            window_length=self.length,
                            loss=None if global_count == 0 else reduced[Slot.LOSS_SUM] / global_count,
                            skipped=global_count == 0, mode=self.mode, aux_loss=aux)
+
+
+def count_received(window: Window, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool,
+                   use_num_items: bool) -> Tensor | float:
+    """The count of the batch the forward received, with no host sync: a host float where a named label count
+    reads CPU labels with numpy, else a float64 device scalar. With ``use_num_items`` a reported 'num_items' is
+    the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
+    reported = None if output.num_items is None else window.on_device(output.num_items, "'num_items'")
+    counted: Tensor | float | None = None
+    if given or output.num_items is None or not use_num_items:
+        host = host_count(count_fn, batch)
+        try:
+            counted = float(host) if host is not None else window.on_device(count_fn(batch), "`count_fn`")
+        except Exception as error:  # every rank must reach the collective to learn of it
+            window.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__} on the batch"
+                        f" `training_step` received: {error}")
+    if reported is not None and counted is not None:
+        window.check_equal(mismatch(given), reported, counted, first_labels(batch))
+    chosen = reported if reported is not None and use_num_items else counted
+    return chosen if chosen is not None else window.channel.zero()
 
 
 # ---- the window's sums, and what tells its problems apart ----

@@ -86,7 +86,7 @@ class DenominatorMonitor(Monitoring, Callback):
         else:
             self._count_fn, self._reduction = self.count_fn or count_valid_labels, "mean"
         self._reduction = self.loss_reduction or self._reduction
-        self._read_reference()
+        self._read_reference(tuple(name for name, _, _ in self._strategy.terms) if self._strategy else ())
         if self._auditor.enabled and not pl_module.automatic_optimization:
             raise ValueError(
                 "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
@@ -107,7 +107,8 @@ class DenominatorMonitor(Monitoring, Callback):
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
         loss = _training_step_loss if self.audit_loss is None else replayed(self.audit_loss)
         objective = Objective(loss, self._count_fn, self._reduction, aux,
-                              trainer.strategy.precision_plugin.train_step_context)
+                              trainer.strategy.precision_plugin.train_step_context,
+                              self._strategy.terms if self._strategy is not None else ())
         self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
         self._auditor.start(trainer.global_step)
         self._published, self._warned = None, False
@@ -224,7 +225,10 @@ def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple
     """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
     if not isinstance(module, LightningModule):
         raise RuntimeError("token_mean: internal error: the audit replays a module that is not a LightningModule.")
-    return loss_and_aux(_lightning.replay_training_step(module, micro_batch.batch, micro_batch.index))
+    output = _lightning.replay_training_step(module, micro_batch.batch, micro_batch.index)
+    if isinstance(output, Mapping) and not isinstance(output.get("loss"), Tensor):  # several terms: the audit's
+        return output, None  # type: ignore[return-value]
+    return loss_and_aux(output)
 
 
 def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import contextlib
 import itertools
 import weakref
-from collections.abc import Callable, Generator, Iterable, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 from lightning.fabric.utilities import rank_zero_warn
@@ -20,7 +20,7 @@ from token_mean import _lightning, _torch
 from token_mean._checkpoint import Progress
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._layout import Layout, check_reduction, layout
+from token_mean._layout import Layout, check_reduction, layout, stand_in_loss
 from token_mean._modes import make_mode
 from token_mean._reader import Reader
 from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int, static_graph_refused
@@ -112,25 +112,20 @@ class TokenMeanAccumulator:
         """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape)."""
         return _windows(self, self._start(iterable, "windows"))
 
-    def backward(self, loss: Tensor, *args: Any, aux_loss: Tensor | None = None, num_items: Any = None,
-                 **kwargs: Any) -> None:
+    def backward(self, loss: Tensor | Mapping[str, Tensor], *args: Any, aux_loss: Tensor | None = None,
+                 num_items: Any = None, **kwargs: Any) -> None:
         """``fabric.backward`` of ``loss`` (a micro-batch's mean over valid items, or sum) scaled for the token mean;
-        ``aux_loss``: averaged over real micro-batches; ``num_items``: the model's count (checked; deferred uses it)."""
+        ``aux_loss``: averaged over real micro-batches; ``num_items``: the model's count (checked; deferred uses it).
+        An objective of several terms (``count_fn={name: count}``) passes ``{name: loss}``."""
         micro = self._in_flight("`accumulator.backward(loss)`")
         if micro.backward_ran:
             raise RuntimeError(f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
                                " would count twice. Call it once per batch.")
         _check_sync(self._layout.sync_flags(), micro)
+        output = _step_output(loss, aux_loss, num_items, self._passes.mode.settings.terms, self._model)
         if self._foreign is None:  # once: in deferred mode the loss must reach the accumulator's model's alone
-            self._foreign = _foreign_parameters(loss, self._model) if not self._passes.mode.reads_ahead else 0
-            if self._foreign:
-                raise ValueError(
-                    f"`mode='deferred'` normalizes the gradients of the model given to `TokenMeanAccumulator`, in"
-                    f" its gradient reduction, but the loss also reaches {self._foreign} parameters of another module"
-                    " (set up with `fabric.setup` on its own): their gradient would not be normalized by N. Use"
-                    " `mode='lookahead'`, whose scale is in the loss, or set the modules up as one `nn.Module`."
-                )
-        scaled = micro.loss_to_backprop(StepOutput(loss, aux_loss, num_items, loss), self._batch)
+            self._foreign = 0 if self._passes.mode.reads_ahead else _foreign_parameters(output.backprop, self._model)
+        scaled = micro.loss_to_backprop(output, self._batch)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         micro.backward_done()
 
@@ -167,15 +162,7 @@ class TokenMeanAccumulator:
         ``ValueError`` for a checkpoint written mid-pass by another number of processes."""
         self._progress.load_state_dict(state)
         self._passes.mode.load_state_dict(state["mode"])
-        saved, position, accumulate = state.get("accumulate"), int(state["position"]), self._accumulate
-        if saved is not None and saved != accumulate and position > 0:
-            stop = position + accumulate - position % accumulate
-            rank_zero_warn(
-                f"token_mean: resuming in the middle of a pass, at batch {position}, with `accumulate={accumulate}`"
-                f" where the checkpoint was written with {saved}: windows are K apart from the pass's start, so the"
-                f" first window after the resume holds batches {position}..{stop - 1}; every window is exact for its"
-                " own batches (docs/fabric.md)."
-            )
+        _warn_another_k(state.get("accumulate"), int(state["position"]), self._accumulate)
         if self._monitor is not None:
             self._monitor.resume_at(self._progress.windows)
 
@@ -319,9 +306,34 @@ def _check_sync(flags: Sequence[bool], micro: MicroBatch) -> None:
         )
 
 
+def _warn_another_k(saved: int | None, position: int, accumulate: int) -> None:
+    """A mid-pass resume with another K than the checkpoint's: exact window by window, but say where windows fall."""
+    if saved is not None and saved != accumulate and position > 0:
+        stop = position + accumulate - position % accumulate
+        rank_zero_warn(
+            f"token_mean: resuming in the middle of a pass, at batch {position}, with `accumulate={accumulate}` where"
+            f" the checkpoint was written with {saved}: windows are K apart from the pass's start, so the first"
+            f" window after the resume holds batches {position}..{stop - 1}; every window is exact for its own"
+            " batches (docs/fabric.md)."
+        )
+
+
+def _step_output(loss: Any, aux_loss: Tensor | None, num_items: Any, terms: Sequence[Any], model: Any) -> StepOutput:
+    """What ``accumulator.backward`` was given, taken apart (several terms: a mapping of their losses)."""
+    names = [name for name, _, _ in terms]
+    if names:  # a tensor where terms are expected is a mismatch the window raises on every rank
+        given = {**loss, "num_items": num_items} if isinstance(loss, Mapping) else {}
+        return StepOutput.of(given, lambda: stand_in_loss(model), names)[0]
+    if isinstance(loss, Tensor):
+        return StepOutput(loss, aux_loss, num_items, loss)
+    raise TypeError(f"`accumulator.backward(loss)` takes the micro-batch's loss tensor, got {type(loss).__name__}: a"
+                    " mapping of losses needs `count_fn` as a mapping of the same terms (docs/counts.md, objectives of"
+                    " several terms).")
+
+
 def _foreign_parameters(loss: Tensor, model: Any) -> int:
     """How many trainable tensors ``loss``'s autograd graph reaches that are not ``model``'s parameters (under FSDP2
-    the leaves autograd records are the unsharded parameters)."""
+    the leaves autograd records are the unsharded parameters); in deferred mode any is refused."""
     own = {id(parameter) for parameter in model.parameters()}
     own.update(id(unsharded) for _, unsharded in _torch.fsdp_parameter_pairs(model))
     seen: set[Any] = set()
@@ -336,6 +348,13 @@ def _foreign_parameters(loss: Tensor, model: Any) -> int:
             foreign += id(leaf) not in own
         else:
             nodes.extend(child for child, _ in node.next_functions)
+    if foreign:
+        raise ValueError(
+            f"`mode='deferred'` normalizes the gradients of the model given to `TokenMeanAccumulator`, in its gradient"
+            f" reduction, but the loss also reaches {foreign} parameters of another module (set up with"
+            " `fabric.setup` on its own): their gradient would not be normalized by N. Use `mode='lookahead'`, whose"
+            " scale is in the loss, or set the modules up as one `nn.Module`."
+        )
     return foreign
 
 

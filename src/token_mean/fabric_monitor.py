@@ -62,6 +62,8 @@ class FabricMonitor(Monitoring):
 
     def attach(self, model: Any, settings: Settings | None = None, world: World | None = None) -> None:
         """The model ``fabric.setup`` returned (else a ``ValueError``), with the accumulator's settings and ranks."""
+        if settings is not None and settings.terms:  # the reference's and the trace's term columns
+            self._read_reference(tuple(name for name, _, _ in settings.terms))
         if not self._auditor.enabled:
             return
         modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)
@@ -74,7 +76,8 @@ class FabricMonitor(Monitoring):
         aux = settings is not None and settings.mode == "lookahead"
         self._module = modules[1]
         loss = replayed(self.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
-        objective = Objective(loss, count_fn, reduction, aux, strategy.precision.forward_context)
+        objective = Objective(loss, count_fn, reduction, aux, strategy.precision.forward_context,
+                              settings.terms if settings is not None else ())
         self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
         self._auditor.start(0)
 

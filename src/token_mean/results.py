@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 
@@ -21,6 +21,9 @@ class WindowStats:
         mode: ``"lookahead"``, ``"deferred"``, or ``"none"`` (measured under a strategy that does not normalize).
         aux_loss: the mean ``"aux_loss"`` over the window's real micro-batches, else ``None``.
         audit_error: the audit's ‖g − g*‖ / ‖g*‖; ``None`` when not audited or N = 0.
+        terms: an objective of several terms: each term's own stats by name, a ``WindowStats`` whose
+            ``global_count`` is N_t, ``local_count`` n_t and ``loss`` the term's global mean (``None`` when N_t = 0);
+            then ``global_count`` and ``local_count`` here add the terms' counts and ``loss`` is J. Else ``None``.
 
     Example:
         >>> stats = WindowStats(8.0, 2.0, (2.0, 6.0), 1, 0.625, False, "lookahead")
@@ -37,6 +40,7 @@ class WindowStats:
     mode: str
     aux_loss: float | None = None
     audit_error: float | None = None
+    terms: Mapping[str, WindowStats] | None = None
 
     @property
     def world_size(self) -> int | None:

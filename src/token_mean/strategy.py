@@ -37,6 +37,8 @@ from token_mean._settings import (
     CountFn,
     LossReduction,
     Mode,
+    Settings,
+    Term,
     check_passed_through,
     checked_settings,
     named_parameters,
@@ -66,6 +68,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._track_rank_counts = False
         self._unwrap_hook: Callable[[], None] | None = None  # undoes the -1 refusal's wrapper (picklable: None)
         self._checking: list[Recorded] | None = None  # the first window's micro-batches, for the count check
+        self._names = tuple(name for name, _, _ in self._settings.terms)  # an objective of several terms
 
     @property
     def count_fn(self) -> CountFn:
@@ -79,6 +82,11 @@ class TokenMeanStrategy(ParallelStrategy):
     @property
     def mode(self) -> Mode:
         return self._settings.mode
+
+    @property
+    def terms(self) -> tuple[Term, ...]:
+        """An objective of several terms (``count_fn={name: count}``): ``(name, count, reduction)`` each, else ()."""
+        return self._settings.terms
 
     @property
     def last_window(self) -> WindowStats | None:
@@ -168,7 +176,7 @@ class TokenMeanStrategy(ParallelStrategy):
         if self._checking is not None:  # the fit's first window: its batches and RNG states, for the count check
             self._checking.append(Recorded(args[0] if args else kwargs.get("batch"), capture_rng(), micro.is_filler,
                                            position))
-        output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss)
+        output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss, self._names)
         micro.loss_to_backprop(output, args[0] if args else kwargs.get("batch"))
         return returned  # type: ignore[no-any-return]
 
@@ -201,26 +209,14 @@ class TokenMeanStrategy(ParallelStrategy):
             position = -1 if micro is None else micro.position
             raise trained_twice_or_skipped(f"Lightning steps the optimizer after batch {position}, but {what} ends"
                                            " there only if it is its last")
-        if self._checking is not None:
-            self._check_count(self._checking, micro.window.where)
+        if self._checking is not None:  # the fit's first window: its count check, on every rank
+            recorded, self._checking = self._checking, None
+            world = self._passes.mode.channel.world if self._passes is not None else World.single()
+            check_first_window(self._module(), recorded, self._settings, world, micro.window.where,
+                               self.precision_plugin.train_step_context)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, once(result), model, **kwargs)
-
-    def _check_count(self, recorded: list[Recorded], where: str) -> None:
-        """The count check of the fit's first window, on every rank before its update (``docs/counts.md``)."""
-        self._checking = None
-        settings, module = self._settings, self._module()
-        objective = Objective(_training_step, settings.count_fn, settings.loss_reduction,
-                              context=self.precision_plugin.train_step_context)
-        world = self._passes.mode.channel.world if self._passes is not None else World.single()
-        mismatch, error = count_check(module, recorded, _training_step, objective, settings.mode == "deferred",
-                                      where, world)
-        if error is not None:
-            raise DenominatorError(error)
-        if mismatch is None and labels_key(settings.count_fn, recorded[0].batch) is not None:
-            rank_zero_warn(f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
-                           " two valid labels (rows). Nothing says the count is the loss's own denominator.")
 
     @override
     def teardown(self) -> None:
@@ -291,6 +287,20 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
                 f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
                 " which would count the window's items again. Use a first-order optimizer."
             )
+
+
+def check_first_window(module: Module, recorded: list[Recorded], settings: Settings, world: World, where: str,
+                       context: Callable[[], Any]) -> None:
+    """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
+    objective = Objective(_training_step, settings.count_fn, settings.loss_reduction, context=context,
+                          terms=settings.terms)
+    mismatch, error = count_check(module, recorded, _training_step, objective, settings.mode == "deferred", where,
+                                  world)
+    if error is not None:
+        raise DenominatorError(error)
+    if mismatch is None and labels_key(settings.count_fn, recorded[0].batch) is not None:
+        rank_zero_warn(f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
+                       " two valid labels (rows). Nothing says the count is the loss's own denominator.")
 
 
 def _training_step(module: Module, micro_batch: Recorded) -> Any:
