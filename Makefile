@@ -29,6 +29,7 @@ stress: $(STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check src tests examples benchmarks
+	$(VENV)/bin/ruff format --check src
 	$(VENV)/bin/mypy
 
 # Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: ~5 min on 2 cores.

@@ -123,8 +123,10 @@ def objective_error(
     parameters = audited_parameters(module)
     device, group, distributed = world.device, world.group, world.distributed
     terms = objective.terms or (("", objective.count_fn, objective.loss_reduction),)
-    read = [[(0.0, None, "") if mb.filler else read_count(count_fn, mb.batch) for _, count_fn, _ in terms]
-            for mb in micro_batches]
+    read = [
+        [(0.0, None, "") if mb.filler else read_count(count_fn, mb.batch) for _, count_fn, _ in terms]
+        for mb in micro_batches
+    ]
     counts = [tuple(count for count, _, _ in row) for row in read]
     problems = [f"{problem.what} ({detail})" for row in read for _, problem, detail in row if problem is not None]
     real = float(sum(not mb.filler for mb in micro_batches))
@@ -217,8 +219,12 @@ class _Replay(nn.Module):
         return self._loss_fn(self.module, micro_batch)
 
 
-def forward_only(module: nn.Module, fn: Callable[[nn.Module, Recorded], Any], micro_batch: Recorded,
-                 context: Callable[[], AbstractContextManager[Any]] = nullcontext) -> Any:
+def forward_only(
+    module: nn.Module,
+    fn: Callable[[nn.Module, Recorded], Any],
+    micro_batch: Recorded,
+    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+) -> Any:
     """``fn(module, micro_batch)`` without gradient, under the micro-batch's recorded RNG state, on cloned buffers:
     parameters, buffers, RNG streams and ``.grad`` stay as they were (FSDP2 keeps a root it unsharded for a forward
     without gradient so until it is told to reshard: told here, or the next forward would use stale parameters)."""
@@ -236,8 +242,15 @@ def forward_only(module: nn.Module, fn: Callable[[nn.Module, Recorded], Any], mi
                 submodule.reshard()
 
 
-def count_check(module: nn.Module, recorded: Sequence[Recorded], fn: Callable[[nn.Module, Recorded], Any],
-                objective: Objective, num_items: bool, where: str, world: World) -> tuple[float | None, str | None]:
+def count_check(
+    module: nn.Module,
+    recorded: Sequence[Recorded],
+    fn: Callable[[nn.Module, Recorded], Any],
+    objective: Objective,
+    num_items: bool,
+    where: str,
+    world: World,
+) -> tuple[float | None, str | None]:
     """The count check (:mod:`token_mean._count_check`) of a window's ``recorded`` micro-batches, on every rank of
     ``world`` (the ranks that share N; tensor-parallel peers check the same batch): the largest relative mismatch
     (None: nothing checkable on any rank) and the error every rank raises (None: passed). ``fn(module,
@@ -261,23 +274,36 @@ def count_check(module: nn.Module, recorded: Sequence[Recorded], fn: Callable[[n
 
     batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
     with _torch.metrics_kept(module):  # each term checked on its own (several terms: 3 forwards each)
-        local = [check([(mb.batch, mb.filler) for mb in recorded], replaying(name), count_fn, reduction, num_items,
-                       _torch.is_sharded(module), batch_statistics) for name, count_fn, reduction in terms]
+        local = [
+            check(
+                [(mb.batch, mb.filler) for mb in recorded],
+                replaying(name),
+                count_fn,
+                reduction,
+                num_items,
+                _torch.is_sharded(module),
+                batch_statistics,
+            )
+            for name, count_fn, reduction in terms
+        ]
     gathered = [local]
     if world.distributed:
         gathered = [None] * world.size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local, group=world.group)
     mismatches = [result[0] for results in gathered for result in results if result is not None]
     for t, (name, count_fn, reduction) in enumerate(terms):
-        error = failure([results[t] for results in gathered], count_fn, reduction,
-                        where if name is None else f"{where}, term {name!r}")
+        error = failure(
+            [results[t] for results in gathered],
+            count_fn,
+            reduction,
+            where if name is None else f"{where}, term {name!r}",
+        )
         if error is not None:
             return max(mismatches), error
     return max(mismatches, default=None), None
 
 
-Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"],
-                 "Tensor | None"]
+Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
 """(micro-batch, its count per term, replayed (loss, aux), dtypes to append to) → what it adds to J (None: nothing)."""
 
 
@@ -285,8 +311,9 @@ def _weigher(objective: Objective, terms: Sequence[Any], global_counts: Sequence
     """What one replayed micro-batch adds to J: Σ_t w_t · loss_t (+ aux_m / M, the window's real micro-batches);
     one term: the loss itself, several: the replayed mapping's term losses."""
 
-    def weigh(micro_batch: Recorded, counts: tuple[float, ...], replayed: tuple[Any, Tensor | None],
-              dtypes: list[torch.dtype]) -> Tensor | None:
+    def weigh(
+        micro_batch: Recorded, counts: tuple[float, ...], replayed: tuple[Any, Tensor | None], dtypes: list[torch.dtype]
+    ) -> Tensor | None:
         loss, aux = replayed
         total = None
         for (name, _, reduction), count, global_count in zip(terms, counts, global_counts, strict=True):
@@ -413,8 +440,14 @@ def _sink(leaf: Tensor, view: Tensor, open_: list[bool]) -> Callable[[Tensor], T
             if open_[0]:
                 view.add_(local)
             nothing = torch.zeros((), dtype=local.dtype, device=local.device).expand(local.shape)
-            return DTensor.from_local(nothing, gradient.device_mesh, gradient.placements, run_check=False,
-                                      shape=gradient.shape, stride=gradient.stride())
+            return DTensor.from_local(
+                nothing,
+                gradient.device_mesh,
+                gradient.placements,
+                run_check=False,
+                shape=gradient.shape,
+                stride=gradient.stride(),
+            )
         if open_[0]:
             view.add_(gradient)
         return torch.zeros((), dtype=gradient.dtype, device=gradient.device).expand(gradient.shape)
@@ -442,8 +475,12 @@ def _sharded_error(
         difference += (applied64 - part64).square().sum() / holders
         reference += part64.square().sum() / holders
     order = PRECISION_ORDER.index(least_precise(dtypes))
-    sums = torch.cat([torch.stack([difference, reference]),
-                      torch.eye(len(PRECISION_ORDER), dtype=torch.float64, device=device)[order]])
+    sums = torch.cat(
+        [
+            torch.stack([difference, reference]),
+            torch.eye(len(PRECISION_ORDER), dtype=torch.float64, device=device)[order],
+        ]
+    )
     if distributed:
         dist.all_reduce(sums)
     difference_sum, reference_sum, *dtype_ranks = sums.tolist()
@@ -470,11 +507,13 @@ def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int)
     inner = list(leaf.placements) if isinstance(leaf, DTensor) else []
     placements = [Replicate()] * (mesh.ndim - len(inner)) + inner
     with torch.no_grad():
-        spread = DTensor.from_local(whole, mesh, placements, run_check=False, shape=layout.shape,
-                                    stride=layout.stride())
+        spread = DTensor.from_local(
+            whole, mesh, placements, run_check=False, shape=layout.shape, stride=layout.stride()
+        )
         part = spread.redistribute(mesh, layout.placements).to_local()  # from replicated: a slice, no collective
-    pieces = math.prod(mesh.size(dim) for dim, placement in enumerate(layout.placements)
-                       if not placement.is_replicate())
+    pieces = math.prod(
+        mesh.size(dim) for dim, placement in enumerate(layout.placements) if not placement.is_replicate()
+    )
     return None if grad is None else _local(grad), part, ranks // pieces
 
 
@@ -485,8 +524,9 @@ def _weighted(loss: Tensor | None, count: float, reduction: str, global_count: f
     return loss * weight
 
 
-def _relative_error(parameters: Sequence[tuple[str, nn.Parameter]], objective: Sequence[Tensor],
-                    device: torch.device) -> Tensor:
+def _relative_error(
+    parameters: Sequence[tuple[str, nn.Parameter]], objective: Sequence[Tensor], device: torch.device
+) -> Tensor:
     """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when g* is zero and g is not)."""
     difference = torch.zeros((), dtype=torch.float64, device=device)
     reference = torch.zeros((), dtype=torch.float64, device=device)
@@ -551,8 +591,14 @@ class Auditor:
     def enabled(self) -> bool:
         return self.every is not None
 
-    def prepare(self, module: nn.Module, objective: Objective | None, world: World, precision: str | None = None,
-                mesh: Any = None) -> None:
+    def prepare(
+        self,
+        module: nn.Module,
+        objective: Objective | None,
+        world: World,
+        precision: str | None = None,
+        mesh: Any = None,
+    ) -> None:
         """What the audit recomputes, for ``module``; a ``ValueError`` if the replay cannot audit it. ``world``: the
         ranks that share the denominator; ``mesh``: the run's device mesh (default ``module.device_mesh``)."""
         if self.every is None or objective is None:
@@ -563,7 +609,7 @@ class Auditor:
         if why is not None:
             raise ValueError(
                 f"`{self._front_end}(audit_every={self.every})` cannot audit this model: {why}. Remove"
-                " `audit_every` (docs/audit.md, \"Limits\")."
+                ' `audit_every` (docs/audit.md, "Limits").'
             )
         self._objective, self._precision, self._world = objective, precision, world
         dtype = least_precise([p.dtype for p in module.parameters()])
@@ -597,8 +643,15 @@ class Auditor:
         error, dtype = objective_error(module, self._recorded, self._objective, self._world)
         tolerance = self.tolerance_for(dtype, self._precision)
         objective = self._objective
-        count_error, count_failure = count_check(module, self._recorded, lambda m, mb: objective.loss_fn(m, mb)[0],
-                                                 objective, False, f"optimizer step {window}", self._world)
+        count_error, count_failure = count_check(
+            module,
+            self._recorded,
+            lambda m, mb: objective.loss_fn(m, mb)[0],
+            objective,
+            False,
+            f"optimizer step {window}",
+            self._world,
+        )
         passed = (error is None or error <= tolerance) and count_failure is None
         audit = Audit(window, error, tolerance, passed, count_error)
         self.audits.append(audit)

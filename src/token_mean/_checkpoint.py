@@ -60,8 +60,9 @@ def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distribut
     return state
 
 
-def restore(state: Mapping[str, Any] | None, passes: Passes, world_size: int, rank: int,
-            has_loader_states: bool) -> Any | None:
+def restore(
+    state: Mapping[str, Any] | None, passes: Passes, world_size: int, rank: int, has_loader_states: bool
+) -> Any | None:
     """Restore the mode's counters (and whether this rank's loader had run out) from ``state``; returns this rank's
     own loader states to load instead of rank 0's (None: the checkpoint holds none). A ``ValueError`` for a
     checkpoint written mid-epoch by another number of processes."""
@@ -140,16 +141,25 @@ class Progress:
         return self._state(self.passes, 0, None if self._epoch is None else self._epoch + 1)
 
     def _state(self, passes: int, position: int, epoch: int | None) -> dict[str, Any]:
-        return {"passes": passes, "windows": self.windows, "position": position, "loader_epoch": epoch,
-                "world_size": self.world_size}
+        return {
+            "passes": passes,
+            "windows": self.windows,
+            "position": position,
+            "loader_epoch": epoch,
+            "world_size": self.world_size,
+        }
 
     def load_state_dict(self, state: Mapping[str, Any]) -> None:
         """Resume from ``state``; a ``ValueError`` for a checkpoint written mid-pass by another number of processes."""
         position = int(state["position"])
         saved_world = state.get("world_size")
         if position > 0 and saved_world is not None:
-            check_same_world(int(saved_world), self.world_size, "a pass",
-                             "a checkpoint written between passes (after `accumulator.batches(...)` ran to its end)")
+            check_same_world(
+                int(saved_world),
+                self.world_size,
+                "a pass",
+                "a checkpoint written between passes (after `accumulator.batches(...)` ran to its end)",
+            )
         self.passes = int(state["passes"])
         self.windows = int(state["windows"])
         epoch = state.get("loader_epoch")

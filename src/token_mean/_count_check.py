@@ -103,8 +103,15 @@ def _sliced(batch: Any, rows: slice, length: int) -> Any:
     return apply_to_collection(batch, Tensor, lambda t: t[rows] if t.dim() and t.shape[0] == length else t)
 
 
-def check(recorded: Sequence[tuple[Any, bool]], replay: Replay, count_fn: Any, reduction: str, num_items: bool,
-          matched: bool, batch_statistics: bool = False) -> Result:
+def check(
+    recorded: Sequence[tuple[Any, bool]],
+    replay: Replay,
+    count_fn: Any,
+    reduction: str,
+    num_items: bool,
+    matched: bool,
+    batch_statistics: bool = False,
+) -> Result:
     """This rank's check of the first of its ``recorded`` (batch, filler) micro-batches that can be split.
     ``num_items``: a reported 'num_items' is the count (deferred); ``matched``: the forwards are collectives (FSDP2,
     tensor parallelism), so a rank with nothing to check replays its first micro-batch three times all the same;
@@ -121,21 +128,36 @@ def check(recorded: Sequence[tuple[Any, bool]], replay: Replay, count_fn: Any, r
     return None
 
 
-def _checked(index: int, batch: Any, split: tuple[Any, Any, str], replay: Replay, count_fn: Any, reduction: str,
-             num_items: bool, rows: bool) -> Result:
+def _checked(
+    index: int,
+    batch: Any,
+    split: tuple[Any, Any, str],
+    replay: Replay,
+    count_fn: Any,
+    reduction: str,
+    num_items: bool,
+    rows: bool,
+) -> Result:
     parts = (batch, split[0], split[1])
     outputs = [replay(part, index) for part in parts]
     losses = [math.nan if loss is None else float(loss.detach().double()) for loss, _ in outputs]
     dtype = next((loss.dtype for loss, _ in outputs if loss is not None), torch.float32)
     reported = [None if reported is None or not num_items else float(reported) for _, reported in outputs]
-    counts = [value if value is not None else read_count(count_fn, part)[0] for value, part in zip(reported, parts,
-                                                                                                    strict=True)]
+    counts = [
+        value if value is not None else read_count(count_fn, part)[0]
+        for value, part in zip(reported, parts, strict=True)
+    ]
     mismatch = _mismatch(counts, losses, reduction)
-    others = ((_counts.count_examples, _counts.count_sequences) if rows
-              else (_counts.count_valid_labels, _counts.count_shifted_labels))
+    others = (
+        (_counts.count_examples, _counts.count_sequences)
+        if rows
+        else (_counts.count_valid_labels, _counts.count_shifted_labels)
+    )
     satisfied = []
-    for other, other_reduction in [(count_fn, "sum" if reduction == "mean" else "mean"),
-                                   *((other, reduction) for other in others if other is not count_fn)]:
+    for other, other_reduction in [
+        (count_fn, "sum" if reduction == "mean" else "mean"),
+        *((other, reduction) for other in others if other is not count_fn),
+    ]:
         other_counts = [read_count(other, part)[0] for part in parts]
         if _mismatch(other_counts, losses, other_reduction) <= TOLERANCE.get(dtype, 2e-5):
             satisfied.append(_fix(other, other_reduction, count_fn, reduction))
@@ -145,8 +167,10 @@ def _checked(index: int, batch: Any, split: tuple[Any, Any, str], replay: Replay
 def _mismatch(counts: Sequence[float], losses: Sequence[float], reduction: str) -> float:
     """|c(S)·ℓ(S) + c(S')·ℓ(S') − c·ℓ| relative to the terms (sum: without the counts); a half without items adds
     nothing; NaN where a half the count says holds items has no finite loss (inf)."""
-    terms = [(count if reduction == "mean" else 1.0) * loss if count > 0 else 0.0
-             for count, loss in zip(counts, losses, strict=True)]
+    terms = [
+        (count if reduction == "mean" else 1.0) * loss if count > 0 else 0.0
+        for count, loss in zip(counts, losses, strict=True)
+    ]
     if not all(math.isfinite(term) for term in terms):
         return math.inf
     whole, first, second = terms
@@ -163,7 +187,7 @@ def _fix(count_fn: Any, reduction: str, user_count: Any, user_reduction: str) ->
 
 _WHY = {
     "count_shifted_labels": " (the loss never predicts a row's first label: its labels are shifted, in"
-                            " `training_step` or inside the model)",
+    " `training_step` or inside the model)",
     "count_valid_labels": " (the loss scores every valid label as it lies: labels aligned with the logits)",
     "count_examples": " (a mean over the micro-batch's rows)",
     "count_sequences": " (a mean over sequences with a valid label)",
@@ -182,8 +206,11 @@ def failure(results: Sequence[Result], count_fn: Any, reduction: str, where: str
     if not failed:
         return None
     rank, (mismatch, tolerance, index, split, satisfied) = failed[0]
-    figure = ("a part the count says holds items has no finite loss" if math.isinf(mismatch) else
-              f"relative mismatch {mismatch:.1e} > {tolerance:.0e}")
+    figure = (
+        "a part the count says holds items has no finite loss"
+        if math.isinf(mismatch)
+        else f"relative mismatch {mismatch:.1e} > {tolerance:.0e}"
+    )
     text = (
         f"token_mean: the count check failed at {where}: the loss is not a {reduction} over {describe(count_fn)}"
         f" ({figure}; rank {rank}, micro-batch {index} of the window), so every update would follow another"

@@ -77,8 +77,13 @@ def host_count(count_fn: Any, batch: Any) -> int | None:
     key = "shift_labels" if count_fn is count_shifted_labels and "shift_labels" in batch else "labels"
     shifted = count_fn is count_shifted_labels and key == "labels"  # the model shifts: the first label is no target
     labels = batch.get(key)
-    if (type(labels) is not Tensor or labels.dtype not in _HOST_DTYPES or not labels.is_cpu or not labels.dim()
-            or labels.layout is not torch.strided):
+    if (
+        type(labels) is not Tensor
+        or labels.dtype not in _HOST_DTYPES
+        or not labels.is_cpu
+        or not labels.dim()
+        or labels.layout is not torch.strided
+    ):
         return None
     values = labels.numpy()
     return int(numpy.count_nonzero((values[..., 1:] if shifted else values) != IGNORE_INDEX))

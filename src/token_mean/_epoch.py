@@ -39,8 +39,15 @@ class Epoch:
         pad_uneven_ranks: whether streams may end in different windows on different ranks.
     """
 
-    def __init__(self, reader: Reader, mode: Mode, length: int | None, label: str, own_length: int | None = None,
-                 pad_uneven_ranks: bool = True) -> None:
+    def __init__(
+        self,
+        reader: Reader,
+        mode: Mode,
+        length: int | None,
+        label: str,
+        own_length: int | None = None,
+        pad_uneven_ranks: bool = True,
+    ) -> None:
         self.reader = reader
         self.mode = mode
         self.sized = length is not None
@@ -88,8 +95,10 @@ class Epoch:
         """The micro-batch at ``position`` is about to run its forward with K = ``accumulate`` (its window opens
         here when the last one ended); ``step()`` numbers the window's optimizer step in messages."""
         if self.sized and position >= self.length:
-            raise RuntimeError(f"token_mean: internal error: no batch at position {position} of a pass of"
-                               f" {self.length}. Please report this with your settings.")
+            raise RuntimeError(
+                f"token_mean: internal error: no batch at position {position} of a pass of"
+                f" {self.length}. Please report this with your settings."
+            )
         window = self._window
         if window is None or window.ended:
             window = self._window = self._open(position, accumulate, step())
@@ -108,19 +117,29 @@ class Epoch:
         previous = self._window
         expected = self.reader.start if previous is None else previous.stop
         if start != expected:
-            raise trained_twice_or_skipped(f"the loop trains batch {start} where the next window opens at batch"
-                                           f" {expected}")
+            raise trained_twice_or_skipped(
+                f"the loop trains batch {start} where the next window opens at batch {expected}"
+            )
         if previous is not None and previous.accumulate != accumulate and start % accumulate:
-            raise ValueError(k_changed(previous.accumulate, accumulate, start, (
-                f"where a window starts, but {start} is not a multiple of {accumulate}: Lightning zeroes the"
-                " gradient only at batches whose index is a multiple of K, so this window's update would apply the"
-                " gradient of the window before it a second time")))
+            raise ValueError(
+                k_changed(
+                    previous.accumulate,
+                    accumulate,
+                    start,
+                    (
+                        f"where a window starts, but {start} is not a multiple of {accumulate}: Lightning zeroes"
+                        " the gradient only at batches whose index is a multiple of K, so this window's update would"
+                        " apply the gradient of the window before it a second time"
+                    ),
+                )
+            )
         self.mode.check_resumed_accumulate(start, accumulate)
         stop = self.window_stop(start, accumulate)
         counts = self._next_counts if self._next_counts is not None and self._next_counts[0] == stop else None
         entries = self.reader.entries(start, stop) if self.mode.reads_ahead and counts is None else []
-        return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries,
-                              self.reader.unchanged)
+        return self.mode.open(
+            start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries, self.reader.unchanged
+        )
 
     def inside_window(self) -> str | None:
         """Where this pass stands if some of its window's micro-batches trained and the window has not ended (what
@@ -257,9 +276,14 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
     channel = mode.channel
     world = channel.world
     length = local or 0
-    reduced = channel.reduce(Kind.LENGTH, {Slot.EPOCH_LENGTH: float(length),
-                                           Slot.EPOCH_LENGTH_SQUARED: float(length * length),
-                                           Slot.UNSIZED: float(local is None)})
+    reduced = channel.reduce(
+        Kind.LENGTH,
+        {
+            Slot.EPOCH_LENGTH: float(length),
+            Slot.EPOCH_LENGTH_SQUARED: float(length * length),
+            Slot.UNSIZED: float(local is None),
+        },
+    )
     reduced.check("the ranks' agreement on the epoch's length")
     unsized = round(reduced[Slot.UNSIZED])
     if unsized:
@@ -279,8 +303,11 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
         raise ValueError(
             f"token_mean: the ranks' training loaders have between {shortest} and {longest} batches this epoch (this"
             f" rank: {local}). "
-            + ("A rank without any batch cannot take part in the backward: give every rank at least one batch."
-               if shortest == 0 else "With `pad_uneven_ranks=False` every rank needs the same number: set"
-               " `pad_uneven_ranks=True` to let exhausted ranks contribute zero-weight batches, or balance the shards.")
+            + (
+                "A rank without any batch cannot take part in the backward: give every rank at least one batch."
+                if shortest == 0
+                else "With `pad_uneven_ranks=False` every rank needs the same number: set"
+                " `pad_uneven_ranks=True` to let exhausted ranks contribute zero-weight batches, or balance the shards."
+            )
         )
     return longest

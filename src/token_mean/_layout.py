@@ -105,25 +105,35 @@ def layout(strategy: Any, model: Module) -> Layout:
     """The modes' view of ``model`` as the strategy wrapped it (DDP, an FSDP2-sharded module, a plain module)."""
     world = shared_world(strategy, model)
     if isinstance(model, DistributedDataParallel):
-        return Layout(world, lambda mode: _install_hook(model, mode), checks=[_unreduced_parameters(model)],
-                      join_backward=lambda: _torch.shadow_ddp_backward(model),
-                      sync_flags=lambda: (model.require_forward_param_sync,))  # what the forward prepared
+        return Layout(
+            world,
+            lambda mode: _install_hook(model, mode),
+            checks=[_unreduced_parameters(model)],
+            join_backward=lambda: _torch.shadow_ddp_backward(model),
+            sync_flags=lambda: (model.require_forward_param_sync,),
+        )  # what the forward prepared
     return after_reduction(model, world)
 
 
 def after_reduction(model: Module, world: World) -> Layout:
     """A model whose reduction (FSDP2's, or none on one device) averages over the ranks with no hook of ours."""
     groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
-    return Layout(world, after_backward=lambda factor: _multiply_shards(model, factor, world.size),
-                  sync_flags=lambda: _torch.fsdp_reduces_gradients(groups))  # read by FSDP2 as the backward runs
+    return Layout(
+        world,
+        after_backward=lambda factor: _multiply_shards(model, factor, world.size),
+        sync_flags=lambda: _torch.fsdp_reduces_gradients(groups),
+    )  # read by FSDP2 as the backward runs
 
 
 def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: int) -> None:
     """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction, times P·D/N in one fused kernel."""
     from torch.distributed.tensor import DTensor
 
-    shards = [grad.to_local() if isinstance(grad, DTensor) else grad
-              for grad in (parameter.grad for parameter in model.parameters()) if grad is not None]
+    shards = [
+        grad.to_local() if isinstance(grad, DTensor) else grad
+        for grad in (parameter.grad for parameter in model.parameters())
+        if grad is not None
+    ]
     if shards:
         _torch.multiply_(shards, factor() * world_size)
 
@@ -154,16 +164,23 @@ def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
     """A check for parameters unfrozen after DDP wrapped the model (``BaseFinetuning``): DDP never reduces them, so
     the replicas drift apart. Costs a host read of ``requires_grad`` per frozen parameter and window."""
     ignored = _torch.ddp_ignored(model)
-    frozen = [(name, parameter) for name, parameter in model.module.named_parameters()
-              if not parameter.requires_grad and name not in ignored]
+    frozen = [
+        (name, parameter)
+        for name, parameter in model.module.named_parameters()
+        if not parameter.requires_grad and name not in ignored
+    ]
 
     def check() -> list[tuple[Problem, str]]:
         unfrozen = [name for name, parameter in frozen if parameter.requires_grad]
         if not unfrozen:
             return []
         more = f" and {len(unfrozen) - 1} more" if len(unfrozen) > 1 else ""
-        return [(Problem.UNREDUCED_PARAMETER, f"`{unfrozen[0]}`{more} required no gradient when DDP wrapped the"
-                 " model and requires one now")]
+        return [
+            (
+                Problem.UNREDUCED_PARAMETER,
+                f"`{unfrozen[0]}`{more} required no gradient when DDP wrapped the model and requires one now",
+            )
+        ]
 
     return check
 

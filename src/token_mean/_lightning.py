@@ -33,8 +33,9 @@ def skips_backward(trainer: pl.Trainer) -> bool:
     return bool(trainer.fit_loop._skip_backward)
 
 
-def refuse_early_epoch_end(module: pl.LightningModule,
-                           refusal: Callable[[int], Exception | None]) -> Callable[[], None]:
+def refuse_early_epoch_end(
+    module: pl.LightningModule, refusal: Callable[[int], Exception | None]
+) -> Callable[[], None]:
     """Make ``on_train_batch_start`` returning -1 raise ``refusal(batch_idx)`` (unless None) on that rank, before the
     loop leaves the epoch; returns what undoes it. Relies on: ``call._call_lightning_module_hook`` looks the hook up
     with ``getattr`` (an instance attribute wraps it); ``_TrainingEpochLoop.advance`` ends the epoch on -1."""

@@ -62,8 +62,16 @@ class Mode:
     def world_size(self) -> int:
         return self.channel.world.size
 
-    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
-             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+    def open(
+        self,
+        start: int,
+        stop: int,
+        accumulate: int,
+        step: str,
+        counts: Counts | None,
+        entries: list[Entry],
+        unchanged: Callable[[Any], bool],
+    ) -> Window:
         """The window ``[start, stop)`` with K = ``accumulate``; lookahead: its ``counts`` if the previous window
         announced them, else its ``entries`` (read ahead) to count now."""
         raise NotImplementedError
@@ -111,8 +119,16 @@ class Lookahead(Mode):
     name = "lookahead"
     reads_ahead = True
 
-    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
-             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+    def open(
+        self,
+        start: int,
+        stop: int,
+        accumulate: int,
+        step: str,
+        counts: Counts | None,
+        entries: list[Entry],
+        unchanged: Callable[[Any], bool],
+    ) -> Window:
         kind = _TermsWindow if self.settings.terms else _LookaheadWindow
         if counts is not None:
             return kind(self, start, stop, accumulate, step, counts, unchanged)
@@ -135,10 +151,13 @@ class Lookahead(Mode):
         for entry in entries:
             real += not entry.filler
             if entry.aliased:
-                window.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch"
-                            " held before it")
-            count, problem, detail = (0.0, None, "") if entry.filler else read_count(self.settings.count_fn,
-                                                                                     entry.batch)
+                window.flag(
+                    Problem.ALIASED,
+                    f"the batch at position {entry.position} reuses the memory of a batch held before it",
+                )
+            count, problem, detail = (
+                (0.0, None, "") if entry.filler else read_count(self.settings.count_fn, entry.batch)
+            )
             if problem is not None:
                 window.flag(problem, f"the batch at position {entry.position} (read ahead): {detail}")
             local.append(count)
@@ -153,14 +172,17 @@ class Lookahead(Mode):
         local: list[tuple[float, ...]] = []
         for entry in entries:
             if entry.aliased:
-                window.flag(Problem.ALIASED, f"the batch at position {entry.position} reuses the memory of a batch"
-                            " held before it")
+                window.flag(
+                    Problem.ALIASED,
+                    f"the batch at position {entry.position} reuses the memory of a batch held before it",
+                )
             counts = []
             for name, count_fn, _ in terms:
                 count, problem, detail = (0.0, None, "") if entry.filler else read_count(count_fn, entry.batch)
                 if problem is not None:
-                    window.flag(problem, f"the batch at position {entry.position} (read ahead, term {name!r}):"
-                                f" {detail}")
+                    window.flag(
+                        problem, f"the batch at position {entry.position} (read ahead, term {name!r}): {detail}"
+                    )
                 counts.append(count)
             local.append(tuple(counts))
         real = float(sum(not entry.filler for entry in entries))
@@ -173,25 +195,41 @@ class Lookahead(Mode):
             host[self.channel.term_slot(t, TERM_NEXT_COUNT)] = total  # type: ignore[index]
         return local, host
 
-    def accept(self, reduced: Reduced, stop: int, local: list[Any], window: Window,
-               where: Callable[[], str]) -> Counts:
+    def accept(self, reduced: Reduced, stop: int, local: list[Any], window: Window, where: Callable[[], str]) -> Counts:
         """The announced counts of the window ``where`` names, which ends at ``stop``, raising an N that cannot
         normalize before its use (``window``: the one whose record brought them); several terms: an N per term."""
         terms = len(self.settings.terms)
         counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
         for global_count in counts:
-            check_global_count(global_count, self.world_size * window.accumulate, where, window.detail,
-                               self.channel.world.rank)
+            check_global_count(
+                global_count, self.world_size * window.accumulate, where, window.detail, self.channel.world.rank
+            )
         return stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL]
 
 
 class _LookaheadWindow(Window):
     mode = "lookahead"
 
-    def __init__(self, lookahead: Lookahead, start: int, stop: int, accumulate: int, step: str, counts: Counts,
-                 unchanged: Callable[[Any], bool]) -> None:
-        super().__init__(lookahead.channel, start, stop, accumulate, step, lookahead.settings.loss_reduction,
-                         lookahead.checks, judge_counts=False)  # judged on the host as they were read ahead
+    def __init__(
+        self,
+        lookahead: Lookahead,
+        start: int,
+        stop: int,
+        accumulate: int,
+        step: str,
+        counts: Counts,
+        unchanged: Callable[[Any], bool],
+    ) -> None:
+        super().__init__(
+            lookahead.channel,
+            start,
+            stop,
+            accumulate,
+            step,
+            lookahead.settings.loss_reduction,
+            lookahead.checks,
+            judge_counts=False,
+        )  # judged on the host as they were read ahead
         self._lookahead = lookahead
         self._unchanged = unchanged
         self._next_local: list[float] = []
@@ -290,26 +328,33 @@ class _TermsWindow(_LookaheadWindow):
             scaled = term if scaled is None else scaled + term
         return scaled if scaled is not None else output.backprop * 0.0
 
-    def _check_terms(self, output: StepOutput, losses: list[Tensor | None], counts: tuple[float, ...],
-                     batch: Any) -> None:
+    def _check_terms(
+        self, output: StepOutput, losses: list[Tensor | None], counts: tuple[float, ...], batch: Any
+    ) -> None:
         """The step returned exactly the terms, and counted as read (or as received, and the two agree)."""
         terms = self._lookahead.settings.terms
         names = [name for name, _, _ in terms]
         given = output.terms or {}
-        extra = [key for key, value in given.items() if isinstance(value, Tensor) and key not in names
-                 and key not in RESERVED]
+        extra = [
+            key
+            for key, value in given.items()
+            if isinstance(value, Tensor) and key not in names and key not in RESERVED
+        ]
         if output.terms is None or extra or any(loss is None for loss in losses):
             returned = sorted(key for key, value in given.items() if isinstance(value, Tensor))
-            self.flag(Problem.TERMS_MISMATCH, f"`training_step` returned the tensors {returned} where `count_fn`"
-                      f" names the terms {sorted(names)}")
+            self.flag(
+                Problem.TERMS_MISMATCH,
+                f"`training_step` returned the tensors {returned} where `count_fn` names the terms {sorted(names)}",
+            )
         reported = output.num_items if isinstance(output.num_items, Mapping) else {}
         unchanged = self._unchanged(batch)
         for (name, count_fn, _), count in zip(terms, counts, strict=True):
             if name in reported and (value := self.on_device(reported[name], f"'num_items[{name!r}]'")) is not None:
                 self.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, value, count)
             if not unchanged:  # moved to the device or changed by a hook: counted again as received
-                received = count_received(self, batch, StepOutput(None, None, None, output.backprop), count_fn,
-                                               True, False)
+                received = count_received(
+                    self, batch, StepOutput(None, None, None, output.backprop), count_fn, True, False
+                )
                 self.check_equal(Problem.COUNT_CHANGED, count, received)
 
     def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
@@ -319,9 +364,11 @@ class _TermsWindow(_LookaheadWindow):
         for t, (_, _, reduction) in enumerate(self._lookahead.settings.terms):
             counts = [term_counts[t] for term_counts in self._term_counts]
             host[self.channel.term_slot(t, TERM_COUNT)] = _fsum(counts)  # type: ignore[index]
-            kept = [(loss, count if reduction == "mean" else 1.0)
-                    for losses, count in zip(self._term_losses, counts, strict=True)
-                    if count > 0 and (loss := losses[t]) is not None]
+            kept = [
+                (loss, count if reduction == "mean" else 1.0)
+                for losses, count in zip(self._term_losses, counts, strict=True)
+                if count > 0 and (loss := losses[t]) is not None
+            ]
             if kept:
                 weighted = torch.stack([loss.to(torch.float64) * weight for loss, weight in kept]).sum()
                 device.append((self.channel.term_slot(t, TERM_LOSS_SUM), weighted))  # type: ignore[arg-type]
@@ -339,8 +386,7 @@ class _TermsWindow(_LookaheadWindow):
             global_count = self._n[t]
             loss = None if global_count == 0 else reduced.term(t, TERM_LOSS_SUM) / global_count
             local_count = _fsum(term_counts[t] for term_counts in self._term_counts)
-            terms[name] = WindowStats(global_count, local_count, None, self.length, loss, global_count == 0,
-                                      self.mode)
+            terms[name] = WindowStats(global_count, local_count, None, self.length, loss, global_count == 0, self.mode)
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
         stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
@@ -368,8 +414,16 @@ class Deferred(Mode):
         self.reducing: _DeferredWindow | None = None  # the window whose last backward reduces the gradient
         layout.install(self)
 
-    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None,
-             entries: list[Entry], unchanged: Callable[[Any], bool]) -> Window:
+    def open(
+        self,
+        start: int,
+        stop: int,
+        accumulate: int,
+        step: str,
+        counts: Counts | None,
+        entries: list[Entry],
+        unchanged: Callable[[Any], bool],
+    ) -> Window:
         return _DeferredWindow(self, start, stop, accumulate, step)
 
     def provisional(self, first: Tensor | float, accumulate: int) -> Tensor:
@@ -381,8 +435,11 @@ class Deferred(Mode):
         """
         if self._provisional is None:
             world = self.channel.world
-            estimate = first * accumulate if isinstance(first, Tensor) else torch.full(
-                (), first * accumulate, dtype=torch.float64, device=world.device)
+            estimate = (
+                first * accumulate
+                if isinstance(first, Tensor)
+                else torch.full((), first * accumulate, dtype=torch.float64, device=world.device)
+            )
             if world.gradients_averaged and world.distributed:
                 exchange = self.channel.start(Kind.PROVISIONAL, device=[(Slot.COUNT, estimate)])
                 estimate = exchange.wait()[Slot.COUNT] / world.size
@@ -392,8 +449,9 @@ class Deferred(Mode):
     def follow(self, global_count: float) -> None:
         """A window with ``global_count`` items ended: the next windows' backward passes use its N/P as their D."""
         if global_count > 0:
-            self._provisional = torch.full((), global_count / self.world_size, dtype=torch.float64,
-                                           device=self.channel.world.device)
+            self._provisional = torch.full(
+                (), global_count / self.world_size, dtype=torch.float64, device=self.channel.world.device
+            )
 
     def gradient_factor(self) -> Tensor | float:
         """D/N for the reduction of the window's last backward; waits for the exchange on the device."""
@@ -421,8 +479,9 @@ class _DeferredWindow(Window):
     mode = "deferred"
 
     def __init__(self, deferred: Deferred, start: int, stop: int, accumulate: int, step: str) -> None:
-        super().__init__(deferred.channel, start, stop, accumulate, step, deferred.settings.loss_reduction,
-                         deferred.checks)
+        super().__init__(
+            deferred.channel, start, stop, accumulate, step, deferred.settings.loss_reduction, deferred.checks
+        )
         self._deferred = deferred
         self._provisional = deferred.channel.zero()  # D from the first forward on (the fit's zero until then)
         self._factor: Tensor | None = None  # D/N, computed once, during the last backward

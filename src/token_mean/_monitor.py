@@ -23,8 +23,16 @@ OnDivergence = Literal["warn", "raise", "log"]
 TraceValue = float | int | None
 
 
-def _check_settings(logging_interval: Any, prefix: Any, record: Any, reference: Any, rtol: Any, atol: Any,
-                    on_divergence: Any, audit_loss: Any) -> None:
+def _check_settings(
+    logging_interval: Any,
+    prefix: Any,
+    record: Any,
+    reference: Any,
+    rtol: Any,
+    atol: Any,
+    on_divergence: Any,
+    audit_loss: Any,
+) -> None:
     """An error naming the argument, its value and the fix, for a monitor's setting out of range."""
     positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
     if not isinstance(prefix, str):
@@ -122,8 +130,14 @@ class Monitoring:
         if self.record is not None and writes:
             self._writer = TraceWriter(self.record, self._terms)
 
-    def _window(self, step: int, stats: WindowStats, elapsed: float, norms: tuple[Tensor | None, Tensor | None],
-                naive_loss: float | None = None) -> tuple[dict[str, float], bool]:
+    def _window(
+        self,
+        step: int,
+        stats: WindowStats,
+        elapsed: float,
+        norms: tuple[Tensor | None, Tensor | None],
+        naive_loss: float | None = None,
+    ) -> tuple[dict[str, float], bool]:
         """A window ended at ``step``: its prefixed metrics and whether to log them now; ``norms`` are on the device."""
         self.last_window = stats
         divergence = None
@@ -171,8 +185,11 @@ def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor
     present = [norm for norm in norms if norm is not None]
     host = iter(torch.stack(present).tolist() if present else [])  # one device-to-host copy for both fingerprints
     grad_norm, param_norm = (None if norm is None else next(host) for norm in norms)
-    terms = {f"{name}/{column}": getattr(term, column) for name, term in (stats.terms or {}).items()
-             for column in ("global_count", "loss")}
+    terms = {
+        f"{name}/{column}": getattr(term, column)
+        for name, term in (stats.terms or {}).items()
+        for column in ("global_count", "loss")
+    }
     return {
         **terms,
         "step": step,

@@ -22,8 +22,7 @@ class Problem(Enum):
         "check the weights or mask that `count_fn` sums.",
     )
     COUNT_RANGE = (
-        "the window's total count N is too small or too large for float64 to normalize by (1/N or N itself"
-        " overflows)",
+        "the window's total count N is too small or too large for float64 to normalize by (1/N or N itself overflows)",
         "rescale the sample weights that `count_fn` sums (for example divide them by their mean); integer token"
         " counts never reach this.",
     )
@@ -112,5 +111,3 @@ class Problem(Enum):
 
     # Singletons: hash by identity, in C (Enum's own hashes the name in Python, a frame per set or dict operation)
     __hash__ = object.__hash__
-
-

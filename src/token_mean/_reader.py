@@ -80,7 +80,10 @@ class Reader:
     """
 
     def __init__(
-        self, raw_next: Callable[[], Any], snapshot: Callable[[], Any] | None = None, start: Callable[[], int] = int,
+        self,
+        raw_next: Callable[[], Any],
+        snapshot: Callable[[], Any] | None = None,
+        start: Callable[[], int] = int,
         skipped: bool = False,
     ) -> None:
         self._source = _Source(raw_next)

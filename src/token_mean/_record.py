@@ -101,7 +101,10 @@ class Channel:
     that backward (with zeros) before anyone raises."""
 
     def __init__(
-        self, world: World, rank_counts: bool = False, join_backward: Callable[[], None] | None = None,
+        self,
+        world: World,
+        rank_counts: bool = False,
+        join_backward: Callable[[], None] | None = None,
         terms: int = 0,
     ) -> None:
         self.world = world
@@ -131,8 +134,14 @@ class Channel:
         """Where a rank's COUNT goes: its slot, and its own slot of the per-rank block where the channel has one."""
         return (Slot.COUNT, RECORD_SIZE + self.world.rank) if self.rank_counts else (Slot.COUNT,)
 
-    def record(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
-               flags: frozenset[Problem] = frozenset(), device_flags: Flags = ()) -> Tensor:
+    def record(
+        self,
+        kind: Kind,
+        host: Mapping[Slot, float] = NO_SLOTS,
+        device: Device = (),
+        flags: frozenset[Problem] = frozenset(),
+        device_flags: Flags = (),
+    ) -> Tensor:
         """This rank's record for a collective of ``kind``: ``host`` values in one host-to-device copy, ``device``
         values in one ``index_add``; ``flags`` and ``device_flags``: problems found on the host or device."""
         world = self.world
@@ -154,8 +163,9 @@ class Channel:
             record = record.index_add(0, self._index(index), source)
         return record
 
-    def _device_part(self, device: Device, flags: frozenset[Problem],
-                     device_flags: Flags) -> tuple[tuple[int, ...], Tensor | None]:
+    def _device_part(
+        self, device: Device, flags: frozenset[Problem], device_flags: Flags
+    ) -> tuple[tuple[int, ...], Tensor | None]:
         """The slots the device values add to, and those values as one float64 vector (one vector alone: no kernel)."""
         scalar_slots: list[int] = []
         scalars: list[Tensor] = []
@@ -191,18 +201,36 @@ class Channel:
             index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
         return index
 
-    def start(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
-              flags: frozenset[Problem] = frozenset(), device_flags: Flags = ()) -> Exchange:
+    def start(
+        self,
+        kind: Kind,
+        host: Mapping[Slot, float] = NO_SLOTS,
+        device: Device = (),
+        flags: frozenset[Problem] = frozenset(),
+        device_flags: Flags = (),
+    ) -> Exchange:
         """Start the collective of this rank's :meth:`record` without waiting for it."""
         return self._exchange(kind, self.record(kind, host, device, flags, device_flags), _SUM)
 
-    def reduce(self, kind: Kind, host: Mapping[Slot, float] = NO_SLOTS, device: Device = (),
-               flags: frozenset[Problem] = frozenset(), device_flags: Flags = (), op: Any = None) -> Reduced:
+    def reduce(
+        self,
+        kind: Kind,
+        host: Mapping[Slot, float] = NO_SLOTS,
+        device: Device = (),
+        flags: frozenset[Problem] = frozenset(),
+        device_flags: Flags = (),
+        op: Any = None,
+    ) -> Reduced:
         """A blocking collective (a host read), by default a SUM: only where no window's forward has run yet."""
         record = self.record(kind, host, device, flags, device_flags)
         reduced = self._exchange(kind, record, op or dist.ReduceOp.SUM).read()
-        if (op is None and self._join_backward is not None and not reduced.in_step() and kind is not Kind.WINDOW
-                and reduced.ranks_with(Kind.WINDOW)[0] > 0):
+        if (
+            op is None
+            and self._join_backward is not None
+            and not reduced.in_step()
+            and kind is not Kind.WINDOW
+            and reduced.ranks_with(Kind.WINDOW)[0] > 0
+        ):
             self._join_backward()
         return reduced
 
@@ -285,16 +313,20 @@ class Reduced:
                 what += self.count_changed_note() if problem is Problem.COUNT_CHANGED else ""
                 lines.append(f"{_who(ranks, named)}: {what}. Fix: {problem.fix}")
         if self.kind in (Kind.WINDOW, Kind.DIAGNOSIS) and not self.lengths_agree():
-            lines.append(f"{Problem.UNEVEN.what} (total {self[Slot.LENGTH]:g} micro-batches over {self.world.size}"
-                         f" ranks). Fix: {Problem.UNEVEN.fix}")
+            lines.append(
+                f"{Problem.UNEVEN.what} (total {self[Slot.LENGTH]:g} micro-batches over {self.world.size}"
+                f" ranks). Fix: {Problem.UNEVEN.fix}"
+            )
         return lines
 
     def _out_of_step(self) -> str:
         where = [f"{_who(*self.ranks_with(kind))} at {kind.value}" for kind in Kind if self.ranks_with(kind)[0]]
         if len(where) == 1:
             where = [f"all ranks at {self.kind.value}, but not as the same collective of their run"]
-        return (f"token_mean: {Problem.OUT_OF_STEP.what}: {'; '.join(where)}. The ranks' collectives no longer"
-                f" match, so none of their results can be trusted. Fix: {Problem.OUT_OF_STEP.fix}")
+        return (
+            f"token_mean: {Problem.OUT_OF_STEP.what}: {'; '.join(where)}. The ranks' collectives no longer"
+            f" match, so none of their results can be trusted. Fix: {Problem.OUT_OF_STEP.fix}"
+        )
 
     def num_items_note(self) -> str:
         """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
@@ -308,16 +340,22 @@ class Reduced:
         return note + ")"
 
     def count_changed_note(self) -> str:
-        return (f" (over the micro-batches that changed: {self[Slot.READ]:g} valid items as the loader yielded them,"
-                f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)")
+        return (
+            f" (over the micro-batches that changed: {self[Slot.READ]:g} valid items as the loader yielded them,"
+            f" {self[Slot.RECEIVED]:g} in the batches `training_step` received)"
+        )
 
     def clean(self) -> bool:
         """Every rank ran this collective as its same-numbered one and raised nothing (the cheap common case)."""
         size, values = self.world.size, self.values
         marks = values[RANKS:BITS]
         sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
-        return (sum(marks) == size and marks[_MARK_INDEX[self.kind]] == size and squares * size == sequence**2
-                and (self.kind not in (Kind.WINDOW, Kind.DIAGNOSIS) or self.lengths_agree()))
+        return (
+            sum(marks) == size
+            and marks[_MARK_INDEX[self.kind]] == size
+            and squares * size == sequence**2
+            and (self.kind not in (Kind.WINDOW, Kind.DIAGNOSIS) or self.lengths_agree())
+        )
 
     def check(self, where: str, detail: str = "", more: Sequence[str] = ()) -> None:
         """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any raised a problem

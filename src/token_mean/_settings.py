@@ -35,8 +35,9 @@ class Settings:
     terms: tuple[Term, ...] = ()  # an objective of several terms (then `count_fn` sums their counts), else ()
 
 
-def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any,
-                     check_count: Any = True) -> Settings:
+def checked_settings(
+    count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_ranks: Any, check_count: Any = True
+) -> Settings:
     """The settings, or a ``ValueError`` naming the argument, its value and the fix."""
     from token_mean._counts import count_valid_labels
 
@@ -49,10 +50,18 @@ def checked_settings(count_fn: Any, loss_reduction: Any, mode: Any, pad_uneven_r
         terms = checked_terms(count_fn, loss_reduction, mode)
         return Settings(_total(terms), True, "mean", pad_uneven_ranks, mode, check_count, terms)
     if isinstance(loss_reduction, Mapping):
-        raise ValueError(f"`loss_reduction` is a mapping ({dict(loss_reduction)!r}) but `count_fn` is not: an"
-                         " objective of several terms names its counts in a mapping with the same keys.")
-    return Settings(checked_count_fn(count_fn) or count_valid_labels, count_fn is not None,
-                    checked_loss_reduction(loss_reduction) or "mean", pad_uneven_ranks, mode, check_count)
+        raise ValueError(
+            f"`loss_reduction` is a mapping ({dict(loss_reduction)!r}) but `count_fn` is not: an"
+            " objective of several terms names its counts in a mapping with the same keys."
+        )
+    return Settings(
+        checked_count_fn(count_fn) or count_valid_labels,
+        count_fn is not None,
+        checked_loss_reduction(loss_reduction) or "mean",
+        pad_uneven_ranks,
+        mode,
+        check_count,
+    )
 
 
 def checked_terms(count_fn: Mapping[Any, Any], loss_reduction: Any, mode: Any) -> tuple[Term, ...]:
@@ -60,25 +69,33 @@ def checked_terms(count_fn: Mapping[Any, Any], loss_reduction: Any, mode: Any) -
     or a ``ValueError`` naming the argument, its value and the fix (docs/counts.md, objectives of several terms)."""
     names = list(count_fn)
     if not names or any(not isinstance(name, str) or not name or name in RESERVED for name in names):
-        raise ValueError(f"`count_fn` as a mapping names the terms of the objective: non-empty str keys other than"
-                         f" {RESERVED}, got keys {names!r}.")
+        raise ValueError(
+            f"`count_fn` as a mapping names the terms of the objective: non-empty str keys other than"
+            f" {RESERVED}, got keys {names!r}."
+        )
     reductions = loss_reduction if isinstance(loss_reduction, Mapping) else dict.fromkeys(names, loss_reduction)
     if set(reductions) != set(names):
-        raise ValueError(f"`loss_reduction` must name the same terms as `count_fn` ({sorted(names)}), got"
-                         f" {sorted(reductions)}; or pass one reduction for every term.")
+        raise ValueError(
+            f"`loss_reduction` must name the same terms as `count_fn` ({sorted(names)}), got"
+            f" {sorted(reductions)}; or pass one reduction for every term."
+        )
     if mode != "lookahead":
         raise ValueError(
             f"`count_fn` with several terms ({sorted(names)}) needs `mode='lookahead'`: deferred mode corrects the"
             " scale with one factor D/N after the window's last backward, when the terms already share one gradient,"
             " so it cannot give each term its own N. Use `mode='lookahead'` (the default)."
         )
-    return tuple((name, checked_count_fn(count_fn[name]) or _missing(name), checked_loss_reduction(reductions[name])
-                  or "mean") for name in names)
+    return tuple(
+        (name, checked_count_fn(count_fn[name]) or _missing(name), checked_loss_reduction(reductions[name]) or "mean")
+        for name in names
+    )
 
 
 def _missing(name: str) -> CountFn:
-    raise TypeError(f"`count_fn[{name!r}]` is None: give each term a count (`token_mean.count_micro_batches` for a"
-                    " term averaged over micro-batches).")
+    raise TypeError(
+        f"`count_fn[{name!r}]` is None: give each term a count (`token_mean.count_micro_batches` for a"
+        " term averaged over micro-batches)."
+    )
 
 
 def _total(terms: tuple[Term, ...]) -> CountFn:
@@ -118,8 +135,11 @@ def positive_int(value: Any, name: str, what: str, none: str | None = None) -> i
 def named_parameters(function: Callable[..., Any], leave_out: Collection[str] = ()) -> frozenset[str]:
     """The keyword names ``function`` takes, less ``self``, ``*args``/``**kwargs`` and ``leave_out``."""
     kinds = (inspect.Parameter.POSITIONAL_OR_KEYWORD, inspect.Parameter.KEYWORD_ONLY)
-    return frozenset(name for name, parameter in inspect.signature(function).parameters.items()
-                     if parameter.kind in kinds and name != "self" and name not in leave_out)
+    return frozenset(
+        name
+        for name, parameter in inspect.signature(function).parameters.items()
+        if parameter.kind in kinds and name != "self" and name not in leave_out
+    )
 
 
 def check_passed_through(strategy: str, parent: str, kwargs: Mapping[str, Any], accepted: Collection[str]) -> None:

@@ -47,7 +47,8 @@ def is_sharded(module: Module, recurse: bool = True) -> bool:
 
     modules = module.modules() if recurse else [module]
     return any(isinstance(m, FSDPModule) for m in modules) or any(
-        isinstance(p, DTensor) for p in module.parameters(recurse=recurse))
+        isinstance(p, DTensor) for p in module.parameters(recurse=recurse)
+    )
 
 
 def fsdp_reduces_gradients(groups: Sequence[Any]) -> list[bool]:
@@ -137,8 +138,9 @@ def to_device(values: list[float] | list[int] | array.array[float], dtype: torch
     the caching host allocator keeps the pinned block until the copy is done.
     """
     if dtype is torch.float64:  # through a C array: a third of `torch.tensor(list)`'s host time (it owns the memory)
-        host = torch.frombuffer(values if isinstance(values, array.array) else array.array("d", values),
-                                dtype=torch.float64)
+        host = torch.frombuffer(
+            values if isinstance(values, array.array) else array.array("d", values), dtype=torch.float64
+        )
     else:
         host = torch.tensor(values, dtype=dtype)
     if device.type == "cpu":
@@ -220,9 +222,17 @@ def metrics_kept(module: Module) -> Iterator[None]:
     def copied(value: Any) -> Any:
         return [v.clone() for v in value] if isinstance(value, list) else value.clone()
 
-    saved = [(metric, {name: copied(value) for name, value in metric.metric_state.items()}, metric._update_count,
-              metric._computed, metric._forward_cache)
-             for metric in module.modules() if isinstance(metric, Metric)]
+    saved = [
+        (
+            metric,
+            {name: copied(value) for name, value in metric.metric_state.items()},
+            metric._update_count,
+            metric._computed,
+            metric._forward_cache,
+        )
+        for metric in module.modules()
+        if isinstance(metric, Metric)
+    ]
     try:
         yield
     finally:

@@ -30,6 +30,7 @@ def term_columns(terms: Sequence[str]) -> tuple[str, ...]:
     ``"{term}/global_count"`` (N_t) and ``"{term}/loss"`` (the term's global mean)."""
     return tuple(f"{term}/{column}" for term in terms for column in ("global_count", "loss"))
 
+
 TraceValue = float | None
 TraceRow = dict[str, TraceValue]
 
@@ -303,9 +304,15 @@ _CAUSES = {
 class TraceComparison:
     """A reference trace and the tolerances to compare each step of a run with it, in ``COMPARED_COLUMNS`` order."""
 
-    def __init__(self, path: str | os.PathLike[str], rtol: float, atol: float,
-                 monitor: str = "DenominatorMonitor", rows: dict[int, TraceRow] | None = None,
-                 terms: Sequence[str] = ()) -> None:
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        rtol: float,
+        atol: float,
+        monitor: str = "DenominatorMonitor",
+        rows: dict[int, TraceRow] | None = None,
+        terms: Sequence[str] = (),
+    ) -> None:
         self.path = os.fspath(path)
         self.monitor = monitor  # the front end's monitor, named in messages
         self.terms = term_columns(terms)  # compared where the reference has them
@@ -343,8 +350,9 @@ class TraceComparison:
         if reference is None:
             return None
         # a term's columns where the reference has them (it may come from a run of one term): its N_t, its loss
-        terms = [column for column in self.terms if reference.get(column.rpartition("/")[0] + "/global_count")
-                 is not None]
+        terms = [
+            column for column in self.terms if reference.get(column.rpartition("/")[0] + "/global_count") is not None
+        ]
         for column in (*COMPARED_COLUMNS, *terms):
             value, expected = row.get(column), reference.get(column)
             value = None if value is None else float(value)

@@ -146,8 +146,18 @@ class Window:
 
     mode = "none"
 
-    def __init__(self, channel: Channel, start: int, stop: int, accumulate: int, step: str, loss_reduction: str,
-                 checks: Sequence[WindowCheck] = (), judge_counts: bool = True, judge_losses: bool = True) -> None:
+    def __init__(
+        self,
+        channel: Channel,
+        start: int,
+        stop: int,
+        accumulate: int,
+        step: str,
+        loss_reduction: str,
+        checks: Sequence[WindowCheck] = (),
+        judge_counts: bool = True,
+        judge_losses: bool = True,
+    ) -> None:
         self.channel = channel
         self.start, self.stop, self.accumulate, self.step = start, stop, accumulate, step
         self.mean = loss_reduction == "mean"
@@ -185,12 +195,7 @@ class Window:
     def micro_batch(self, entry: Entry, accumulate: int) -> MicroBatch:
         """The micro-batch of ``entry`` is about to run its forward with K = ``accumulate``."""
         position = entry.position
-        if accumulate != self.accumulate:
-            raise ValueError(k_changed(self.accumulate, accumulate, position, f"inside {self.where}: the window's"
-                                       " first backward passes were normalized for the window as it was planned"))
-        if position != self._next:
-            raise trained_twice_or_skipped(f"the loop trains batch {position} where {self.where} expects batch"
-                                           f" {self._next}")
+        _check_order(self, position, accumulate)
         self._next = position + 1
         return MicroBatch(self, position, position == self.stop - 1, entry.filler, self._count_of(entry))
 
@@ -226,8 +231,9 @@ class Window:
         self._flags.add(problem)
         self.detail = self.detail or detail
 
-    def check_equal(self, problem: Problem, left: Tensor | float, right: Tensor | float,
-                    hint: Tensor | None = None) -> None:
+    def check_equal(
+        self, problem: Problem, left: Tensor | float, right: Tensor | float, hint: Tensor | None = None
+    ) -> None:
         """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
         self.pairs.setdefault(problem, []).append((left, right, hint))
 
@@ -258,8 +264,13 @@ class Window:
         for problem, detail in problems:
             self.flag(problem, detail)
         length = float(self.length)
-        sums = {**host, **pass_slots, Slot.LENGTH: length, Slot.LENGTH_SQUARED: length * length,
-                Slot.REAL: float(self.real)}
+        sums = {
+            **host,
+            **pass_slots,
+            Slot.LENGTH: length,
+            Slot.LENGTH_SQUARED: length * length,
+            Slot.REAL: float(self.real),
+        }
         device: list[tuple[Slot | tuple[int, ...], Tensor]] = list(self._added)
         flags: frozenset[Problem] = frozenset(self._flags)
         device_flags: Flags = ()
@@ -297,12 +308,7 @@ class Window:
             reduced = exchange.read()
         healthy = _healthy(self, reduced)
         if not (healthy and reduced.clean()):  # the common case, told from a few slots
-            if not healthy and reduced.in_step():
-                length = float(self.length)
-                diagnosis = self.channel.reduce(Kind.DIAGNOSIS, {Slot.LENGTH: length, Slot.LENGTH_SQUARED: length**2},
-                                                _check_slots(self), frozenset(self._flags), _device_flags(self))
-                diagnosis.check(self.where, self.detail)
-            reduced.check(self.where, self.detail)
+            _raise_problems(self, reduced, healthy)
         self.ended = True
         return reduced, float(local)
 
@@ -312,14 +318,55 @@ class Window:
         return self._exchange
 
     def stats(self, reduced: Reduced, local: float, global_count: float, aux: float | None = None) -> WindowStats:
-        return WindowStats(global_count=global_count, local_count=local, rank_counts=reduced.rank_counts(),
-                           window_length=self.length,
-                           loss=None if global_count == 0 else reduced[Slot.LOSS_SUM] / global_count,
-                           skipped=global_count == 0, mode=self.mode, aux_loss=aux)
+        return WindowStats(
+            global_count=global_count,
+            local_count=local,
+            rank_counts=reduced.rank_counts(),
+            window_length=self.length,
+            loss=None if global_count == 0 else reduced[Slot.LOSS_SUM] / global_count,
+            skipped=global_count == 0,
+            mode=self.mode,
+            aux_loss=aux,
+        )
 
 
-def count_received(window: Window, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool,
-                   use_num_items: bool) -> Tensor | float:
+def _check_order(window: Window, position: int, accumulate: int) -> None:
+    """Refuse a micro-batch out of the window's order, or run with another K than the window was planned with."""
+    if accumulate != window.accumulate:
+        raise ValueError(
+            k_changed(
+                window.accumulate,
+                accumulate,
+                position,
+                f"inside {window.where}: the window's"
+                " first backward passes were normalized for the window as it was planned",
+            )
+        )
+    if position != window._next:
+        raise trained_twice_or_skipped(
+            f"the loop trains batch {position} where {window.where} expects batch {window._next}"
+        )
+
+
+def _raise_problems(window: Window, reduced: Reduced, healthy: bool) -> None:
+    """Raise what the record shows; where the device values are unhealthy, every rank first works out its own
+    problems and exchanges them in one more collective, so all raise the same error naming the ranks."""
+    if not healthy and reduced.in_step():
+        length = float(window.length)
+        diagnosis = window.channel.reduce(
+            Kind.DIAGNOSIS,
+            {Slot.LENGTH: length, Slot.LENGTH_SQUARED: length**2},
+            _check_slots(window),
+            frozenset(window.flags),
+            _device_flags(window),
+        )
+        diagnosis.check(window.where, window.detail)
+    reduced.check(window.where, window.detail)
+
+
+def count_received(
+    window: Window, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool, use_num_items: bool
+) -> Tensor | float:
     """The count of the batch the forward received, with no host sync: a host float where a named label count
     reads CPU labels with numpy, else a float64 device scalar. With ``use_num_items`` a reported 'num_items' is
     the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
@@ -330,8 +377,10 @@ def count_received(window: Window, batch: Any, output: StepOutput, count_fn: Cal
         try:
             counted = float(host) if host is not None else window.on_device(count_fn(batch), "`count_fn`")
         except Exception as error:  # every rank must reach the collective to learn of it
-            window.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__} on the batch"
-                        f" `training_step` received: {error}")
+            window.flag(
+                Problem.COUNT_FAILED,
+                f"`count_fn` raised {type(error).__name__} on the batch `training_step` received: {error}",
+            )
     if reported is not None and counted is not None:
         window.check_equal(mismatch(given), reported, counted, first_labels(batch))
     chosen = reported if reported is not None and use_num_items else counted
@@ -349,8 +398,11 @@ def _host_sums(window: Window, host: dict[Slot, float], device: list[tuple[Slot 
     counts = [float(count) for count in window.counts]
     local = math.fsum(counts)
     host[Slot.COUNT] = local
-    kept = [(loss, count if window.mean else 1.0) for loss, count in zip(window.losses, counts, strict=True)
-            if count > 0 and loss is not None]
+    kept = [
+        (loss, count if window.mean else 1.0)
+        for loss, count in zip(window.losses, counts, strict=True)
+        if count > 0 and loss is not None
+    ]
     if len(kept) == 1:
         loss, weight = kept[0]
         device.append((Slot.LOSS_SUM, loss.to(torch.float64) * weight))
@@ -397,8 +449,12 @@ def _stack(window: Window, values: Sequence[Tensor | float]) -> Tensor:
     device = window.channel.world.device
     if all(type(value) is float for value in values):
         return _torch.to_device(values, torch.float64, device)  # type: ignore[arg-type]
-    stacked = torch.stack([value.to(device) if isinstance(value, Tensor)
-                           else torch.full((), value, dtype=torch.float64, device=device) for value in values])
+    stacked = torch.stack(
+        [
+            value.to(device) if isinstance(value, Tensor) else torch.full((), value, dtype=torch.float64, device=device)
+            for value in values
+        ]
+    )
     return stacked if stacked.dtype == torch.float64 else stacked.to(torch.float64)
 
 
@@ -419,8 +475,10 @@ def _device_flags(window: Window) -> list[tuple[Problem, Tensor]]:
         bad_values = _nonfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
         bad_loss = _nonfinite(losses)
         # a finite loss times a huge count: the count's fault, not the model's
-        flags += [(Problem.BAD_LOSS, (bad_values & bad_loss).any()),
-                  (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any())]
+        flags += [
+            (Problem.BAD_LOSS, (bad_values & bad_loss).any()),
+            (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any()),
+        ]
     if window.aux:
         flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(window.aux).to(torch.float64)).any()))
     for problem, pairs in window.pairs.items():
@@ -436,8 +494,9 @@ def _check_slots(window: Window) -> Device:
     for problem, pairs in window.pairs.items():
         left, right = _sides(window, pairs)
         differ = left != right
-        slots += [(slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right),
-                                                                       strict=True)]
+        slots += [
+            (slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right), strict=True)
+        ]
         hints = [hint for _, _, hint in pairs]
         if any(hint is not None for hint in hints):
             zero = window.channel.zero()
@@ -490,8 +549,7 @@ def mismatch(count_fn_given: bool) -> Problem:
     return Problem.NUM_ITEMS_MISMATCH_COUNT_FN if count_fn_given else Problem.NUM_ITEMS_MISMATCH_DEFAULT
 
 
-def check_global_count(global_count: float, numerator: float, where: Callable[[], str], detail: str,
-                       rank: int) -> None:
+def check_global_count(global_count: float, numerator: float, where: Callable[[], str], detail: str, rank: int) -> None:
     """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize the window
     ``where()`` names: N itself, or ``numerator / N`` (the largest factor the mode makes of it), is not finite."""
     if math.isfinite(global_count) and math.isfinite(scale_of(numerator, global_count)):

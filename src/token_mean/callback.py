@@ -106,9 +106,14 @@ class DenominatorMonitor(Monitoring, Callback):
             self._channel = Channel(world, rank_counts=True)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
         loss = _training_step_loss if self.audit_loss is None else replayed(self.audit_loss)
-        objective = Objective(loss, self._count_fn, self._reduction, aux,
-                              trainer.strategy.precision_plugin.train_step_context,
-                              self._strategy.terms if self._strategy is not None else ())
+        objective = Objective(
+            loss,
+            self._count_fn,
+            self._reduction,
+            aux,
+            trainer.strategy.precision_plugin.train_step_context,
+            self._strategy.terms if self._strategy is not None else (),
+        )
         self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
         self._auditor.start(trainer.global_step)
         self._published, self._warned = None, False
@@ -142,17 +147,30 @@ class DenominatorMonitor(Monitoring, Callback):
             self._grad_norm = grad_norm(pl_module, trainer.strategy.root_device)
 
     @override
-    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
-                           batch_idx: int) -> None:
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
         if self._count_fn is None:  # not fitting
             return
         if self._strategy is None and self._channel is not None:
             if self._measured is None:  # an observer: a NaN loss is the strategy's to judge, not the measurement's
-                self._measured = Window(self._channel, batch_idx, batch_idx, 1, f"optimizer step {self._step}"
-                                        " (measured by DenominatorMonitor", self._reduction, judge_losses=False)
+                self._measured = Window(
+                    self._channel,
+                    batch_idx,
+                    batch_idx,
+                    1,
+                    f"optimizer step {self._step} (measured by DenominatorMonitor",
+                    self._reduction,
+                    judge_losses=False,
+                )
             # Lightning divided the closure loss by K under automatic optimization
-            _measure(self._measured, batch, outputs, self._count_fn,
-                     trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1)
+            _measure(
+                self._measured,
+                batch,
+                outputs,
+                self._count_fn,
+                trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1,
+            )
         self._length += 1
         if not _lightning.steps_after_this_batch(trainer):
             return  # still accumulating
@@ -163,14 +181,25 @@ class DenominatorMonitor(Monitoring, Callback):
         if stats is None:
             return
         count = stats.global_count  # an integral count as an int: the bar pads floats to "13263.000"
-        _lightning.show_on_progress_bar(trainer, {BAR_LOSS: math.nan if stats.loss is None else stats.loss,
-                                                  BAR_COUNT: int(count) if count.is_integer() else count})
-        param_norm = global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device) \
-            if self.fingerprints else None
+        _lightning.show_on_progress_bar(
+            trainer,
+            {
+                BAR_LOSS: math.nan if stats.loss is None else stats.loss,
+                BAR_COUNT: int(count) if count.is_integer() else count,
+            },
+        )
+        param_norm = (
+            global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
+            if self.fingerprints
+            else None
+        )
         metrics, log_now = self._window(step, stats, elapsed, (gradient, param_norm), naive_loss)
         interval = self.logging_interval
-        due = _lightning.should_update_logs(trainer) if interval is None else (
-            (step + 1) % interval == 0 or trainer.should_stop)
+        due = (
+            _lightning.should_update_logs(trainer)
+            if interval is None
+            else ((step + 1) % interval == 0 or trainer.should_stop)
+        )
         if (due or log_now) and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -190,8 +219,10 @@ class DenominatorMonitor(Monitoring, Callback):
             return stats, None
         if not self._warned:
             self._warned = True
-            rank_zero_warn(f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
-                           " DenominatorMonitor logs nothing for such steps.")
+            rank_zero_warn(
+                f"`{type(self._strategy).__name__}` published no `last_window` for optimizer step {step};"
+                " DenominatorMonitor logs nothing for such steps."
+            )
         return None, None
 
     @override

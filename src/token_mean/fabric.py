@@ -61,15 +61,24 @@ class TokenMeanAccumulator:
         (1.0, 1)
     """
 
-    def __init__(self, fabric: Any, model: Any, accumulate: int, count_fn: CountFn | None = None,
-                 loss_reduction: LossReduction = "mean", mode: Mode = "lookahead", pad_uneven_ranks: bool = True,
-                 monitor: FabricMonitor | None = None) -> None:
+    def __init__(
+        self,
+        fabric: Any,
+        model: Any,
+        accumulate: int,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
+        monitor: FabricMonitor | None = None,
+    ) -> None:
         settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
         self._accumulate: int = positive_int(accumulate, "accumulate", "micro-batches per window")  # type: ignore[assignment]
         self._layout = _fabric_layout(fabric, model, self._accumulate)
         self._fabric, self._model = fabric, model
-        self._passes = Passes(make_mode(settings, self._layout, rank_counts=monitor is not None), pad_uneven_ranks,
-                              "pass")
+        self._passes = Passes(
+            make_mode(settings, self._layout, rank_counts=monitor is not None), pad_uneven_ranks, "pass"
+        )
         if fabric.world_size > 1:  # the strategy's processes, though DDP's own group may hold this rank alone
             destroy_process_group_at_exit()
         self._monitor = monitor
@@ -112,15 +121,19 @@ class TokenMeanAccumulator:
         """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape)."""
         return _windows(self, self._start(iterable, "windows"))
 
-    def backward(self, loss: Tensor | Mapping[str, Tensor], *args: Any, aux_loss: Tensor | None = None,
-                 num_items: Any = None, **kwargs: Any) -> None:
+    def backward(
+        self,
+        loss: Tensor | Mapping[str, Tensor],
+        *args: Any,
+        aux_loss: Tensor | None = None,
+        num_items: Any = None,
+        **kwargs: Any,
+    ) -> None:
         """``fabric.backward`` of ``loss`` (a micro-batch's mean over valid items, or sum) scaled for the token mean;
         ``aux_loss``: averaged over real micro-batches; ``num_items``: the model's count (checked; deferred uses it).
         An objective of several terms (``count_fn={name: count}``) passes ``{name: loss}``."""
         micro = self._in_flight("`accumulator.backward(loss)`")
-        if micro.backward_ran:
-            raise RuntimeError(f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
-                               " would count twice. Call it once per batch.")
+        _check_backward_once(micro)
         _check_sync(self._layout.sync_flags(), micro)
         output = _step_output(loss, aux_loss, num_items, self._passes.mode.settings.terms, self._model)
         if self._foreign is None:  # once: in deferred mode the loss must reach the accumulator's model's alone
@@ -133,10 +146,7 @@ class TokenMeanAccumulator:
         """After the window's last backward: its stats (one host read; a :class:`~token_mean.DenominatorError` on every
         rank if any had a problem). The gradient is then the token mean; do not step for a ``skipped`` window."""
         micro = self._in_flight("`accumulator.finish()`")
-        if not micro.last or not micro.backward_ran or micro.window.ended:
-            state = "is called twice" if micro.window.ended else "comes before the window's last backward"
-            raise RuntimeError(f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window,"
-                               " after `accumulator.backward(loss)` of the batch where `accumulating` is False.")
+        _check_finish(micro)
         epoch = self._passes.current
         if epoch is None:
             raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
@@ -150,12 +160,13 @@ class TokenMeanAccumulator:
     def state_dict(self) -> dict[str, Any]:
         """What resuming needs (alike on every rank): save it after ``finish()``; a ``RuntimeError`` inside a window."""
         micro = self._micro
-        if micro is not None and not micro.window.ended:
-            raise RuntimeError("`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
-                               " saved. Save after `accumulator.finish()` and the optimizer step.")
+        _check_window_boundary(micro)
         in_flight = None if micro is None else micro.position + 1
-        return {"mode": self._passes.mode.state_dict(), "accumulate": self._accumulate,
-                **self._progress.state_dict(in_flight)}
+        return {
+            "mode": self._passes.mode.state_dict(),
+            "accumulate": self._accumulate,
+            **self._progress.state_dict(in_flight),
+        }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next ``batches(...)`` skips what the saved pass trained (the loader must repeat its order). A
@@ -172,20 +183,16 @@ class TokenMeanAccumulator:
         return self._micro
 
     def _start(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
-        self._one_pass_at_a_time()
+        _one_pass_at_a_time(self._iterating)
         return self._pass(iterable, name)
 
-    def _one_pass_at_a_time(self) -> None:
-        if self._iterating is not None:
-            raise RuntimeError(f"`accumulator.{self._iterating}(...)` is already being iterated: one pass at a time.")
-
     def _pass(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
-        self._one_pass_at_a_time()  # two passes made before either started (`zip`)
+        _one_pass_at_a_time(self._iterating)  # two passes made before either started (`zip`)
         self._iterating, completed = name, False
         try:
             epoch, move, start = self._begin(iterable)
             for position in itertools.count(start):
-                self._previous_batch_done()
+                _batch_done(self._micro, self._monitor, self._model)
                 try:
                     item = epoch.next_item()
                 except StopIteration:
@@ -217,16 +224,30 @@ class TokenMeanAccumulator:
             self._monitor.start(self._fabric)
         return epoch, move, start
 
-    def _previous_batch_done(self) -> None:
-        micro = self._micro
-        if micro is not None:
-            _check_done(micro)
-            if micro.last and self._monitor is not None:
-                self._monitor.stepped(self._model)
 
-    def _window_left(self) -> None:
-        if self._micro is not None:
-            _check_window_left(self._micro)
+def _check_backward_once(micro: MicroBatch) -> None:
+    if micro.backward_ran:
+        raise RuntimeError(
+            f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
+            " would count twice. Call it once per batch."
+        )
+
+
+def _check_finish(micro: MicroBatch) -> None:
+    if not micro.last or not micro.backward_ran or micro.window.ended:
+        state = "is called twice" if micro.window.ended else "comes before the window's last backward"
+        raise RuntimeError(
+            f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window,"
+            " after `accumulator.backward(loss)` of the batch where `accumulating` is False."
+        )
+
+
+def _check_window_boundary(micro: MicroBatch | None) -> None:
+    if micro is not None and not micro.window.ended:
+        raise RuntimeError(
+            "`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
+            " saved. Save after `accumulator.finish()` and the optimizer step."
+        )
 
 
 class BatchWindow:
@@ -245,7 +266,7 @@ class BatchWindow:
 
     def finish(self) -> WindowStats:
         """``accumulator.finish()``, after the window's last backward; a ``RuntimeError`` before its last batch."""
-        self._accumulator._window_left()
+        _check_window_left(self._accumulator._micro)
         return self._accumulator.finish()
 
     def __iter__(self) -> Iterator[Any]:
@@ -270,7 +291,21 @@ def _windows(accumulator: TokenMeanAccumulator, batches: Generator[Any, None, No
     with contextlib.closing(batches):  # leaving the windows leaves the pass: it records where
         for first in batches:
             yield BatchWindow(accumulator, first, batches)
-            accumulator._window_left()  # before the pass reads on (its own checks follow)
+            _check_window_left(accumulator._micro)  # before the pass reads on (its own checks follow)
+
+
+def _one_pass_at_a_time(iterating: str | None) -> None:
+    if iterating is not None:
+        raise RuntimeError(f"`accumulator.{iterating}(...)` is already being iterated: one pass at a time.")
+
+
+def _batch_done(micro: MicroBatch | None, monitor: FabricMonitor | None, model: Any) -> None:
+    """The loop asks for the next batch: the one before ran its backward (and its window's finish, if last)."""
+    if micro is None:
+        return
+    _check_done(micro)
+    if micro.last and monitor is not None:
+        monitor.stepped(model)
 
 
 def _check_done(micro: MicroBatch) -> None:
@@ -286,8 +321,8 @@ def _check_done(micro: MicroBatch) -> None:
         )
 
 
-def _check_window_left(micro: MicroBatch) -> None:
-    if not micro.last:
+def _check_window_left(micro: MicroBatch | None) -> None:
+    if micro is not None and not micro.last:
         raise RuntimeError(
             f"A window of `accumulator.windows(...)` was finished or left at batch {micro.position}, before its last"
             " micro-batch: iterate each window to its end (`for batch in window:` without `break`), then call"
@@ -326,9 +361,11 @@ def _step_output(loss: Any, aux_loss: Tensor | None, num_items: Any, terms: Sequ
         return StepOutput.of(given, lambda: stand_in_loss(model), names)[0]
     if isinstance(loss, Tensor):
         return StepOutput(loss, aux_loss, num_items, loss)
-    raise TypeError(f"`accumulator.backward(loss)` takes the micro-batch's loss tensor, got {type(loss).__name__}: a"
-                    " mapping of losses needs `count_fn` as a mapping of the same terms (docs/counts.md, objectives of"
-                    " several terms).")
+    raise TypeError(
+        f"`accumulator.backward(loss)` takes the micro-batch's loss tensor, got {type(loss).__name__}: a"
+        " mapping of losses needs `count_fn` as a mapping of the same terms (docs/counts.md, objectives of"
+        " several terms)."
+    )
 
 
 def _foreign_parameters(loss: Tensor, model: Any) -> int:
@@ -374,8 +411,11 @@ def _fabric_layout(fabric: Any, model: Any, accumulate: int) -> Layout:
         )
     strategy, forward = fabric.strategy, modules[0]
     if isinstance(strategy, (FSDPStrategy, DeepSpeedStrategy)):
-        why = ("FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
-               if isinstance(strategy, FSDPStrategy) else "Fabric's `no_backward_sync` does nothing under DeepSpeed")
+        why = (
+            "FSDP1 needs a GPU, where this package is not tested: use `ModelParallelStrategy` (FSDP2)"
+            if isinstance(strategy, FSDPStrategy)
+            else "Fabric's `no_backward_sync` does nothing under DeepSpeed"
+        )
         raise ValueError(f"`TokenMeanAccumulator` does not support `{type(strategy).__name__}`: {why}.")
     if not isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, ModelParallelStrategy)):
         raise ValueError(
@@ -408,8 +448,9 @@ def _reader(iterable: Iterable[Any], start: int, reads_ahead: bool) -> tuple[Rea
     return reader, move, last is not None
 
 
-def _where_left(micro: MicroBatch | None, completed: bool, accumulate: int,
-                model: Any) -> tuple[int | None, int | None, Gradients | None]:
+def _where_left(
+    micro: MicroBatch | None, completed: bool, accumulate: int, model: Any
+) -> tuple[int | None, int | None, Gradients | None]:
     """How a pass ended (``Progress.left``): run out, left at a window boundary, or inside one (with its gradients)."""
     if micro is None or completed:
         return None, None, None

@@ -76,8 +76,14 @@ class FabricMonitor(Monitoring):
         aux = settings is not None and settings.mode == "lookahead"
         self._module = modules[1]
         loss = replayed(self.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
-        objective = Objective(loss, count_fn, reduction, aux, strategy.precision.forward_context,
-                              settings.terms if settings is not None else ())
+        objective = Objective(
+            loss,
+            count_fn,
+            reduction,
+            aux,
+            strategy.precision.forward_context,
+            settings.terms if settings is not None else (),
+        )
         self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
         self._auditor.start(0)
 
@@ -120,8 +126,9 @@ class FabricMonitor(Monitoring):
         if self._pending is None:
             return
         (stats, elapsed, gradient), self._pending = self._pending, None
-        param_norm = global_norm([p.detach() for p in model.parameters()], self._fabric.device) \
-            if self.fingerprints else None
+        param_norm = (
+            global_norm([p.detach() for p in model.parameters()], self._fabric.device) if self.fingerprints else None
+        )
         metrics, log_now = self._window(self._step, stats, elapsed, (gradient, param_norm))
         interval = self.logging_interval or 1
         if ((self._step + 1) % interval == 0 or log_now) and self._fabric.global_rank == 0:

@@ -123,10 +123,14 @@ def _draw(
     )
     reference_style = {"color": "black", "linewidth": 3.5, "alpha": 0.3}
     for axes, column, style in ((loss_axes, "loss", {}), (count_axes, "global_count", {"drawstyle": "steps-mid"})):
-        axes.plot(reference_steps, _values(reference, column, reference_steps), label=reference_label,
-                  **reference_style, **style)
-        axes.plot(run_steps, _values(run, column, run_steps), color="tab:blue", linewidth=1.3, label=run_label,
-                  **style)
+        axes.plot(
+            reference_steps,
+            _values(reference, column, reference_steps),
+            label=reference_label,
+            **reference_style,
+            **style,
+        )
+        axes.plot(run_steps, _values(run, column, run_steps), color="tab:blue", linewidth=1.3, label=run_label, **style)
     loss_axes.set_ylabel("loss: token mean of the step")
     loss_axes.set_title(f"{paths[0]} against {paths[1]}", fontsize="medium")
     loss_axes.legend(loc="upper right")
@@ -157,11 +161,19 @@ def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -
     steps = sorted(run)
     figure, panels = plt.subplots(3, 1, sharex=True, figsize=(10, 7), height_ratios=(3, 1.5, 1.5))
     # labels on two lines: one line is taller than the short panels and ran into the panel above
-    rows = (("loss", "loss\ntoken mean of the step"), ("global_count", "N\nper step"),
-            ("imbalance", "imbalance\nmax n_r / mean n_r"))
+    rows = (
+        ("loss", "loss\ntoken mean of the step"),
+        ("global_count", "N\nper step"),
+        ("imbalance", "imbalance\nmax n_r / mean n_r"),
+    )
     for axes, (column, label) in zip(panels, rows, strict=True):
-        axes.plot(steps, _values(run, column, steps), color="tab:blue", linewidth=1.3,
-                  drawstyle="default" if column == "loss" else "steps-mid")
+        axes.plot(
+            steps,
+            _values(run, column, steps),
+            color="tab:blue",
+            linewidth=1.3,
+            drawstyle="default" if column == "loss" else "steps-mid",
+        )
         axes.set_ylabel(label)
     panels[0].set_title(f"{_labels([Path(run_path)])[0]} ({run_path})", fontsize="medium")
     panels[-1].set_xlabel("optimizer step")
@@ -190,7 +202,10 @@ def _save(plt: Any, figure: Any, output: Path) -> None:
 
 
 def _draw_deltas(
-    axes: Any, run: dict[int, TraceRow], reference: dict[int, TraceRow], steps: list[int],
+    axes: Any,
+    run: dict[int, TraceRow],
+    reference: dict[int, TraceRow],
+    steps: list[int],
     tolerances: tuple[float, float],
 ) -> None:
     rtol, atol = tolerances

@@ -55,9 +55,15 @@ class TokenMeanStrategy(ParallelStrategy):
     Not a strategy by itself: a subclass also derives from a concrete Lightning strategy.
     """
 
-    def __init__(self, count_fn: CountFn | None = None, loss_reduction: LossReduction = "mean",
-                 mode: Mode = "lookahead", pad_uneven_ranks: bool = True, check_count: bool = True,
-                 **kwargs: Any) -> None:
+    def __init__(
+        self,
+        count_fn: CountFn | None = None,
+        loss_reduction: LossReduction = "mean",
+        mode: Mode = "lookahead",
+        pad_uneven_ranks: bool = True,
+        check_count: bool = True,
+        **kwargs: Any,
+    ) -> None:
         self._settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks, check_count)
         self._check_kwargs(kwargs)
         super().__init__(**kwargs)
@@ -144,15 +150,7 @@ class TokenMeanStrategy(ParallelStrategy):
         return layout(self, model)
 
     def _left_early(self, batch_idx: int) -> Exception | None:
-        if self._normalizing() is None:
-            return None
-        return DenominatorError(
-            f"token_mean: `on_train_batch_start` returned -1 at batch {batch_idx} on rank {self.global_rank}, ending"
-            " this rank's epoch there. The ranks of a token-mean fit train every accumulation window together, and"
-            " the package does not end one early: on some ranks only, the others would wait in its collectives."
-            "\n  Fix: end epochs early with `limit_train_batches` or `max_steps` (the same on every rank) instead of"
-            " returning -1."
-        )
+        return None if self._normalizing() is None else _early_end(batch_idx, self.global_rank)
 
     def _normalizing(self) -> tuple[pl.Trainer, Epoch] | None:
         """The fit's trainer and current pass, but not in an epoch without backward passes (SWA's BatchNorm epoch,
@@ -170,14 +168,12 @@ class TokenMeanStrategy(ParallelStrategy):
         trainer, epoch = fit
         position = _lightning.batch_position(trainer)
         micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
-        if micro.last and not _lightning.steps_after_this_batch(trainer):  # once per window: Lightning agrees
-            raise trained_twice_or_skipped(f"Lightning does not step the optimizer after batch {position}, the last"
-                                           f" of {micro.window.where}")
+        _check_lightning_steps(trainer, micro)
+        batch = args[0] if args else kwargs.get("batch")
         if self._checking is not None:  # the fit's first window: its batches and RNG states, for the count check
-            self._checking.append(Recorded(args[0] if args else kwargs.get("batch"), capture_rng(), micro.is_filler,
-                                           position))
+            self._checking.append(Recorded(batch, capture_rng(), micro.is_filler, position))
         output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss, self._names)
-        micro.loss_to_backprop(output, args[0] if args else kwargs.get("batch"))
+        micro.loss_to_backprop(output, batch)
         return returned  # type: ignore[no-any-return]
 
     @override
@@ -196,24 +192,23 @@ class TokenMeanStrategy(ParallelStrategy):
         return loss
 
     @override
-    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
-                       model: pl.LightningModule | Module | None = None, **kwargs: Any) -> Any:
+    def optimizer_step(
+        self,
+        optimizer: Optimizer,
+        closure: Callable[[], Any],
+        model: pl.LightningModule | Module | None = None,
+        **kwargs: Any,
+    ) -> Any:
         if self._micro is None and self._normalizing() is None:  # the micro-batch in flight says: normalizing
             return super().optimizer_step(optimizer, closure, model, **kwargs)
         # The window's last micro-batch first: its backward ends the window, so an empty window skips the update
         # and deferred's gradient is final before AMP's unscale, `on_before_optimizer_step` and clipping.
         result = closure()
         micro, self._micro = self._micro, None
-        if micro is None or not micro.last or not micro.window.ended:
-            what = "no window" if micro is None else micro.window.where
-            position = -1 if micro is None else micro.position
-            raise trained_twice_or_skipped(f"Lightning steps the optimizer after batch {position}, but {what} ends"
-                                           " there only if it is its last")
+        micro = _ended_window(micro)
         if self._checking is not None:  # the fit's first window: its count check, on every rank
             recorded, self._checking = self._checking, None
-            world = self._passes.mode.channel.world if self._passes is not None else World.single()
-            check_first_window(self._module(), recorded, self._settings, world, micro.window.where,
-                               self.precision_plugin.train_step_context)
+            _count_check(self, recorded, micro.window.where)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, once(result), model, **kwargs)
@@ -238,8 +233,9 @@ class TokenMeanStrategy(ParallelStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._passes is not None:
             distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
-            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._passes, self._trainer().accumulate_grad_batches,
-                                                          self.world_size, distributed)
+            checkpoint[CHECKPOINT_KEY] = checkpoint_state(
+                self._passes, self._trainer().accumulate_grad_batches, self.world_size, distributed
+            )
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
@@ -247,8 +243,46 @@ class TokenMeanStrategy(ParallelStrategy):
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
         if self._passes is None:
             return None
-        return restore(checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank,
-                       has_loader_states)
+        return restore(
+            checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank, has_loader_states
+        )
+
+
+def _early_end(batch_idx: int, rank: int) -> DenominatorError:
+    return DenominatorError(
+        f"token_mean: `on_train_batch_start` returned -1 at batch {batch_idx} on rank {rank}, ending"
+        " this rank's epoch there. The ranks of a token-mean fit train every accumulation window together, and"
+        " the package does not end one early: on some ranks only, the others would wait in its collectives."
+        "\n  Fix: end epochs early with `limit_train_batches` or `max_steps` (the same on every rank) instead of"
+        " returning -1."
+    )
+
+
+def _count_check(strategy: TokenMeanStrategy, recorded: list[Recorded], where: str) -> None:
+    """The fit's first window ended: its count check, on every rank, before the update."""
+    passes = strategy._passes
+    world = passes.mode.channel.world if passes is not None else World.single()
+    module, context = strategy._module(), strategy.precision_plugin.train_step_context
+    check_first_window(module, recorded, strategy._settings, world, where, context)
+
+
+def _check_lightning_steps(trainer: pl.Trainer, micro: MicroBatch) -> None:
+    """Once per window: Lightning steps the optimizer after the window's last micro-batch."""
+    if micro.last and not _lightning.steps_after_this_batch(trainer):
+        raise trained_twice_or_skipped(
+            f"Lightning does not step the optimizer after batch {micro.position}, the last of {micro.window.where}"
+        )
+
+
+def _ended_window(micro: MicroBatch | None) -> MicroBatch:
+    """The micro-batch Lightning steps after: the last of a window that its backward ended."""
+    if micro is None or not micro.last or not micro.window.ended:
+        what = "no window" if micro is None else micro.window.where
+        position = -1 if micro is None else micro.position
+        raise trained_twice_or_skipped(
+            f"Lightning steps the optimizer after batch {position}, but {what} ends there only if it is its last"
+        )
+    return micro
 
 
 def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: bool) -> None:
@@ -289,18 +323,23 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
             )
 
 
-def check_first_window(module: Module, recorded: list[Recorded], settings: Settings, world: World, where: str,
-                       context: Callable[[], Any]) -> None:
+def check_first_window(
+    module: Module, recorded: list[Recorded], settings: Settings, world: World, where: str, context: Callable[[], Any]
+) -> None:
     """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
-    objective = Objective(_training_step, settings.count_fn, settings.loss_reduction, context=context,
-                          terms=settings.terms)
-    mismatch, error = count_check(module, recorded, _training_step, objective, settings.mode == "deferred", where,
-                                  world)
+    objective = Objective(
+        _training_step, settings.count_fn, settings.loss_reduction, context=context, terms=settings.terms
+    )
+    mismatch, error = count_check(
+        module, recorded, _training_step, objective, settings.mode == "deferred", where, world
+    )
     if error is not None:
         raise DenominatorError(error)
     if mismatch is None and labels_key(settings.count_fn, recorded[0].batch) is not None:
-        rank_zero_warn(f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
-                       " two valid labels (rows). Nothing says the count is the loss's own denominator.")
+        rank_zero_warn(
+            f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
+            " two valid labels (rows). Nothing says the count is the loss's own denominator."
+        )
 
 
 def _training_step(module: Module, micro_batch: Recorded) -> Any:
@@ -396,11 +435,18 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Without this override the subclass would re-register DDP's own twelve names.
-        for name, start_method in (("ddp_token_mean", "popen"), ("ddp_token_mean_spawn", "spawn"),
-                                   ("ddp_token_mean_fork", "fork")):
+        for name, start_method in (
+            ("ddp_token_mean", "popen"),
+            ("ddp_token_mean_spawn", "spawn"),
+            ("ddp_token_mean_fork", "fork"),
+        ):
             if name not in strategy_registry:
-                strategy_registry.register(name, cls, start_method=start_method,
-                                           description=f"Token-mean DDP strategy with `start_method` '{start_method}'")
+                strategy_registry.register(
+                    name,
+                    cls,
+                    start_method=start_method,
+                    description=f"Token-mean DDP strategy with `start_method` '{start_method}'",
+                )
 
     @override
     def _layout(self, model: Module) -> Layout:

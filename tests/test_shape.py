@@ -1,0 +1,62 @@
+"""The package's shape as core v5 set it (#33): no import circle of any kind (lazy and ``TYPE_CHECKING``-only imports
+count), at most 50 classes, no class over 200 lines and no function over 60, measured on ruff-formatted code."""
+
+import ast
+import graphlib
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SRC = Path(__file__).resolve().parents[1] / "src" / "token_mean"
+
+
+def _trees() -> dict[str, ast.Module]:
+    return {path.stem: ast.parse(path.read_text()) for path in sorted(SRC.glob("*.py"))}
+
+
+def _imports(name: str, tree: ast.Module, modules: set[str]) -> set[str]:
+    """The package's modules that ``name`` imports anywhere in its text."""
+    found: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            parts = node.module.split(".")
+            if parts == ["token_mean"]:
+                found.update(alias.name for alias in node.names)
+            elif parts[0] == "token_mean":
+                found.add(parts[1])
+        elif isinstance(node, ast.Import):
+            found.update(a.name.split(".")[1] for a in node.names if a.name.startswith("token_mean."))
+    return found & modules - {name, "__init__"}
+
+
+def test_no_import_circle() -> None:
+    trees = _trees()
+    modules = set(trees) - {"__init__"}
+    graph = {name: _imports(name, trees[name], modules) for name in modules}
+    graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the circle
+
+
+def test_sizes() -> None:
+    classes, too_long = 0, []
+    for module, tree in _trees().items():
+        for node in ast.walk(tree):
+            limit = 200 if isinstance(node, ast.ClassDef) else 60
+            if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                classes += isinstance(node, ast.ClassDef)
+                size = (node.end_lineno or node.lineno) - node.lineno + 1
+                if size > limit:
+                    too_long.append(f"{module}.{node.name}: {size} lines")
+    assert classes <= 50
+    assert not too_long
+
+
+def test_src_is_ruff_formatted() -> None:
+    """The sizes above are those of ruff's formatting (120 characters a line), not of denser code."""
+    ruff = shutil.which("ruff", path=str(Path(sys.executable).parent)) or shutil.which("ruff")
+    if ruff is None:
+        pytest.skip("ruff is not installed")
+    result = subprocess.run([ruff, "format", "--check", str(SRC)], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stdout + result.stderr
