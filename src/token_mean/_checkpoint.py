@@ -11,15 +11,8 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_warn
 
 from token_mean._epoch import Passes
-from token_mean._reader import Reader
 
 CHECKPOINT_KEY = "token_mean"
-
-
-def every_rank(reader: Reader, world_size: int, distributed: bool) -> list[dict[str, Any]]:
-    """Every rank's position, in rank order (an all-gather, at checkpoint time only)."""
-    local = {"loaders": reader.consumed_state(), "exhausted": reader.consumed_exhausted}
-    return gather_objects(local, world_size) if distributed else [local]
 
 
 def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> None:
@@ -33,21 +26,19 @@ def check_same_world(saved: int, world_size: int, unit: str, instead: str) -> No
         )
 
 
-def gather_objects(value: Any, world_size: int) -> list[Any]:
-    """Every rank's (small, picklable) ``value``, in rank order."""
-    gathered: list[Any] = [None] * world_size
-    dist.all_gather_object(gathered, value)
-    return gathered
-
-
-def checkpoint_state(passes: Passes, accumulate: int, world_size: int, distributed: bool) -> dict[str, Any]:
+def checkpoint_state(passes: Passes, accumulate: int, world_size: int) -> dict[str, Any]:
     """A Trainer strategy's checkpoint: the mode's counters, K and (stateful loaders) every rank's position; a
     checkpoint saved inside a window says where, and warns (a resume from it is refused: :func:`restore`)."""
     state: dict[str, Any] = passes.mode.state_dict()
     state["accumulate"] = accumulate
     epoch = passes.current
-    if epoch is not None and epoch.reader.stateful:
-        state["loader_ranks"] = every_rank(epoch.reader, world_size, distributed)
+    if epoch is not None and epoch.reader.stateful:  # every rank's position, in rank order (an all-gather)
+        local = {"loaders": epoch.reader.consumed_state(), "exhausted": epoch.reader.consumed_exhausted}
+        ranks: list[Any] = [local]
+        if world_size > 1 and dist.is_available() and dist.is_initialized():
+            ranks = [None] * world_size
+            dist.all_gather_object(ranks, local)
+        state["loader_ranks"] = ranks
     inside = None if epoch is None else epoch.inside_window()
     if inside is not None:
         state["inside_window"] = inside

@@ -226,7 +226,3 @@ def failure(results: Sequence[Result], count_fn: Any, reduction: str, where: str
         " model decides takes `mode='deferred'` with `{'loss': ..., 'num_items': ...}` returned by `training_step`"
         " (or the loop); if the count is right and the loss does not split this way, pass `check_count=False`."
     )
-
-
-def unchecked(results: Sequence[Result]) -> bool:
-    return all(result is None for result in results)

@@ -136,10 +136,7 @@ class Epoch:
         self.mode.check_resumed_accumulate(start, accumulate)
         stop = self.window_stop(start, accumulate)
         counts = self._next_counts if self._next_counts is not None and self._next_counts[0] == stop else None
-        entries = self.reader.entries(start, stop) if self.mode.reads_ahead and counts is None else []
-        return self.mode.open(
-            start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, entries, self.reader.unchanged
-        )
+        return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, self.reader)
 
     def inside_window(self) -> str | None:
         """Where this pass stands if some of its window's micro-batches trained and the window has not ended (what

@@ -266,11 +266,17 @@ def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
     trainer.progress_bar_metrics.update(values)
 
 
-def static_graph(strategy: Any) -> bool:
-    """Whether a DDP strategy (the Trainer's or Fabric's) wraps its model with ``static_graph=True``.
+def refuse_static_graph(strategy: Any, name: str, argument: str, accumulate: int) -> None:
+    """Refuse K > 1 where a DDP strategy (the Trainer's or Fabric's) wraps its model with ``static_graph=True``.
 
     Relies on: ``DDPStrategy`` keeps the arguments it hands to ``DistributedDataParallel`` in ``_ddp_kwargs``."""
-    return bool((getattr(strategy, "_ddp_kwargs", None) or {}).get("static_graph"))
+    if accumulate > 1 and (getattr(strategy, "_ddp_kwargs", None) or {}).get("static_graph"):
+        raise ValueError(
+            f"`{name}` cannot accumulate ({argument}={accumulate}) with DDP's `static_graph=True`: a static graph"
+            " expects every backward to reduce the gradients, and accumulation reduces them in each window's last"
+            " backward only (plain DDP fails too, with PyTorch's 'expect_autograd_hooks_ INTERNAL ASSERT FAILED')."
+            " Remove `static_graph=True`."
+        )
 
 
 def replay_training_step(module: Any, batch: Any, index: int) -> Any:

@@ -24,7 +24,7 @@ from torch import Tensor
 from token_mean._counts import first_labels, read_count
 from token_mean._layout import Layout
 from token_mean._problems import Problem
-from token_mean._reader import Entry
+from token_mean._reader import Entry, Reader
 from token_mean._record import TERM_COUNT, TERM_LOSS_SUM, TERM_NEXT_COUNT, Channel, Kind, Reduced, Slot
 from token_mean._settings import RESERVED, Settings
 from token_mean._window import (
@@ -48,7 +48,6 @@ several terms has a tuple of counts at each position and a tuple of N, one per t
 class Mode:
     """What spans a fit's windows, whatever the mode: the settings, the channel, the steps skipped."""
 
-    name = "lookahead"
     reads_ahead = False  # the pass reads the next window's batches while this one trains
 
     def __init__(self, channel: Channel, settings: Settings, layout: Layout) -> None:
@@ -62,18 +61,9 @@ class Mode:
     def world_size(self) -> int:
         return self.channel.world.size
 
-    def open(
-        self,
-        start: int,
-        stop: int,
-        accumulate: int,
-        step: str,
-        counts: Counts | None,
-        entries: list[Entry],
-        unchanged: Callable[[Any], bool],
-    ) -> Window:
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None, reader: Reader) -> Window:
         """The window ``[start, stop)`` with K = ``accumulate``; lookahead: its ``counts`` if the previous window
-        announced them, else its ``entries`` (read ahead) to count now."""
+        announced them, else its batches, read ahead from ``reader``, to count now."""
         raise NotImplementedError
 
     def count_skipped(self, stats: WindowStats) -> None:
@@ -116,26 +106,17 @@ def make_mode(settings: Settings, layout: Layout, rank_counts: bool) -> Mode:
 
 
 class Lookahead(Mode):
-    name = "lookahead"
     reads_ahead = True
 
-    def open(
-        self,
-        start: int,
-        stop: int,
-        accumulate: int,
-        step: str,
-        counts: Counts | None,
-        entries: list[Entry],
-        unchanged: Callable[[Any], bool],
-    ) -> Window:
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None, reader: Reader) -> Window:
         kind = _TermsWindow if self.settings.terms else _LookaheadWindow
         if counts is not None:
-            return kind(self, start, stop, accumulate, step, counts, unchanged)
+            return kind(self, start, stop, accumulate, step, counts, reader.unchanged)
         # the pass's first window (or the first after K changed): a collective of its own, before its first forward
+        entries = reader.entries(start, stop)
         stop = start + len(entries)  # fewer where a loader that yields nothing ends
         nothing = (0.0,) * len(self.settings.terms) if self.settings.terms else 0.0
-        window = kind(self, start, stop, accumulate, step, (stop, [], nothing, 0.0), unchanged)
+        window = kind(self, start, stop, accumulate, step, (stop, [], nothing, 0.0), reader.unchanged)
         local, host = self.announce(entries, window)
         reduced = self.channel.reduce(Kind.FIRST_COUNTS, host, flags=window.flags)
         reduced.check(window.where, window.detail)
@@ -201,9 +182,7 @@ class Lookahead(Mode):
         terms = len(self.settings.terms)
         counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
         for global_count in counts:
-            check_global_count(
-                global_count, self.world_size * window.accumulate, where, window.detail, self.channel.world.rank
-            )
+            check_global_count(window, global_count, self.world_size * window.accumulate, where)
         return stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL]
 
 
@@ -254,7 +233,9 @@ class _LookaheadWindow(Window):
                     if reported is not None:
                         self.check_equal(mismatch(settings.count_fn_given), reported, micro.count, first_labels(batch))
             else:  # moved to the device or changed by a hook: counted again as received, and the two must agree
-                received = count_received(self, batch, output, settings.count_fn, settings.count_fn_given, False)
+                received = count_received(
+                    self, batch, output.num_items, settings.count_fn, settings.count_fn_given, False
+                )
                 self.check_equal(Problem.COUNT_CHANGED, micro.count, received)
             if output.loss is None:
                 self.flag(Problem.NO_LOSS)
@@ -352,9 +333,7 @@ class _TermsWindow(_LookaheadWindow):
             if name in reported and (value := self.on_device(reported[name], f"'num_items[{name!r}]'")) is not None:
                 self.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, value, count)
             if not unchanged:  # moved to the device or changed by a hook: counted again as received
-                received = count_received(
-                    self, batch, StepOutput(None, None, None, output.backprop), count_fn, True, False
-                )
+                received = count_received(self, batch, None, count_fn, True, False)
                 self.check_equal(Problem.COUNT_CHANGED, count, received)
 
     def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
@@ -403,8 +382,6 @@ def _fsum(values: Iterable[float]) -> float:
 
 
 class Deferred(Mode):
-    name = "deferred"
-
     def __init__(self, channel: Channel, settings: Settings, layout: Layout) -> None:
         super().__init__(channel, settings, layout)
         self._after_backward = layout.after_backward
@@ -414,16 +391,7 @@ class Deferred(Mode):
         self.reducing: _DeferredWindow | None = None  # the window whose last backward reduces the gradient
         layout.install(self)
 
-    def open(
-        self,
-        start: int,
-        stop: int,
-        accumulate: int,
-        step: str,
-        counts: Counts | None,
-        entries: list[Entry],
-        unchanged: Callable[[Any], bool],
-    ) -> Window:
+    def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None, reader: Reader) -> Window:
         return _DeferredWindow(self, start, stop, accumulate, step)
 
     def provisional(self, first: Tensor | float, accumulate: int) -> Tensor:
@@ -503,7 +471,7 @@ class _DeferredWindow(Window):
         settings = self._deferred.settings
         count: Tensor | float = 0.0
         if not micro.filler:
-            count = count_received(self, batch, output, settings.count_fn, settings.count_fn_given, True)
+            count = count_received(self, batch, output.num_items, settings.count_fn, settings.count_fn_given, True)
             if output.loss is None:
                 self.flag(Problem.NO_LOSS)
         self.add(count, None if micro.filler else output.loss, micro.filler)
@@ -533,6 +501,6 @@ class _DeferredWindow(Window):
         self._deferred.gradient_final(self)
         reduced, local = self.read()
         global_count = reduced[Slot.COUNT]
-        check_global_count(global_count, 1.0, lambda: self.where, self.detail, self.channel.world.rank)
+        check_global_count(self, global_count, 1.0, lambda: self.where)
         self._deferred.follow(global_count)
         return self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None

@@ -14,6 +14,7 @@ from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
 from token_mean._audit import Auditor, OnAuditFailure
+from token_mean._fingerprint import global_norm
 from token_mean._settings import CountFn, LossReduction, checked_count_fn, checked_loss_reduction, positive_int
 from token_mean._trace import TraceComparison, TraceWriter, trace_format
 from token_mean.errors import DivergenceError
@@ -135,14 +136,17 @@ class Monitoring:
         step: int,
         stats: WindowStats,
         elapsed: float,
-        norms: tuple[Tensor | None, Tensor | None],
+        gradient: Tensor | None,
+        model: Any,
+        device: Any,
         naive_loss: float | None = None,
     ) -> tuple[dict[str, float], bool]:
-        """A window ended at ``step``: its prefixed metrics and whether to log them now; ``norms`` are on the device."""
+        """A window ended at ``step`` and its update is done: its prefixed metrics and whether to log them now;
+        ``gradient``: the window's gradient norm on the device (the parameters' is taken here, after the update)."""
         self.last_window = stats
         divergence = None
         if self.fingerprints:
-            row = _trace_row(step, stats, norms)
+            row = _trace_row(step, stats, (gradient, global_norm([p.detach() for p in model.parameters()], device)))
             if self._writer is not None:
                 self._writer.write(row)
             divergence = self._compare(step, row)
@@ -234,11 +238,14 @@ def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None)
     return metrics
 
 
-def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
-    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux), or (None, None)."""
+def loss_and_aux(output: Any) -> tuple[Any, Tensor | None]:
+    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux), or (None, None);
+    a mapping without a ``"loss"`` tensor (an objective of several terms) as (the mapping of term losses, None)."""
     if isinstance(output, Tensor):
         return output, None
-    if isinstance(output, Mapping) and isinstance(output.get("loss"), Tensor):
+    if isinstance(output, Mapping):
+        if not isinstance(output.get("loss"), Tensor):
+            return output, None
         aux = output.get("aux_loss")
         return output["loss"], aux if isinstance(aux, Tensor) else None
     return None, None
@@ -247,13 +254,7 @@ def loss_and_aux(output: Any) -> tuple[Tensor | None, Tensor | None]:
 def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Any, Tensor | None]]:
     """``audit_loss`` as the audit replays it: (loss, aux), the loss a mapping of term losses for several terms."""
 
-    def replay(module: Any, micro_batch: Any) -> tuple[Any, Tensor | None]:
-        output = audit_loss(module, micro_batch.batch)
-        if isinstance(output, Mapping) and not isinstance(output.get("loss"), Tensor):
-            return output, None
-        return loss_and_aux(output)
-
-    return replay
+    return lambda module, micro_batch: loss_and_aux(audit_loss(module, micro_batch.batch))
 
 
 def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:

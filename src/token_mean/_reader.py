@@ -90,31 +90,23 @@ class Reader:
         self._snapshot = snapshot
         self._start = start
         self._skipped = skipped
-        self._started = False
-        self.start = 0  # the pass's first position (after the batches a resumed pass trained before)
-        self._position = 0  # of the next item handed out
-        self._held: deque[Entry] = deque()  # read ahead of the loop
-        self._entries: deque[Entry] = deque()  # handed out and held, in order
-        self._current: Memory = _NO_MEMORY  # of the batch handed out last
         self._previous: Memory = _NO_MEMORY  # of the last real batch read
         self._reads = 0  # real batches read
         self.refills = False
-        self._limit: int | None = None
-        self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
-        self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
+        self.restart()
 
     def restart(self, resumed_exhausted: bool = False, limit: int | None = None) -> None:
         """A new pass; ``resumed_exhausted``: out of batches at the checkpoint; ``limit``: only ``limit`` batches."""
         self._limit = limit
-        self.resumed_without_state = False
-        self._position = 0
-        self.start = 0
+        self.resumed_without_state = False  # resumed mid-pass, the loader restarted from its first batch
+        self._position = 0  # of the next item handed out
+        self.start = 0  # the pass's first position (after the batches a resumed pass trained before)
         self._started = False
         self._source.restart(resumed_exhausted)
-        self._held.clear()
-        self._entries.clear()
-        self.current = None
-        self._current = _NO_MEMORY
+        self._held: deque[Entry] = deque()  # read ahead of the loop
+        self._entries: deque[Entry] = deque()  # handed out and held, in order
+        self.current: Entry | None = None  # the entry handed out last (None before the pass's first)
+        self._current: Memory = _NO_MEMORY  # of the batch handed out last
 
     def adopt(self, items: list[Any]) -> None:
         """Items the loop read before the reader was installed: they come first."""
@@ -259,16 +251,13 @@ class _Source:
     def __init__(self, raw_next: Callable[[], Any]) -> None:
         self._raw_next = raw_next
         self.pending: deque[Any] = deque()  # raw items read before the reader took over, or to read again
-        self.exhausted = False
-        self._template: Any = None
-        self._resumed_exhausted = False
-        self.drawn = 0  # items drawn from the loader this pass (pending ones when adopted)
+        self.restart(False)
 
     def restart(self, resumed_exhausted: bool) -> None:
         self.exhausted = False
-        self._template = None
+        self._template: Any = None
         self._resumed_exhausted = resumed_exhausted
-        self.drawn = len(self.pending)
+        self.drawn = len(self.pending)  # items drawn from the loader this pass (pending ones when adopted)
 
     def adopt(self, items: list[Any]) -> None:
         self.pending.extend(items)

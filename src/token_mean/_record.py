@@ -201,28 +201,14 @@ class Channel:
             index = self._indices[slots] = _torch.to_device(list(slots), torch.int64, self.world.device)
         return index
 
-    def start(
-        self,
-        kind: Kind,
-        host: Mapping[Slot, float] = NO_SLOTS,
-        device: Device = (),
-        flags: frozenset[Problem] = frozenset(),
-        device_flags: Flags = (),
-    ) -> Exchange:
-        """Start the collective of this rank's :meth:`record` without waiting for it."""
-        return self._exchange(kind, self.record(kind, host, device, flags, device_flags), _SUM)
+    def start(self, kind: Kind, *contents: Any, **named: Any) -> Exchange:
+        """Start the collective of this rank's :meth:`record` (of these contents) without waiting for it."""
+        return self._exchange(kind, self.record(kind, *contents, **named), _SUM)
 
-    def reduce(
-        self,
-        kind: Kind,
-        host: Mapping[Slot, float] = NO_SLOTS,
-        device: Device = (),
-        flags: frozenset[Problem] = frozenset(),
-        device_flags: Flags = (),
-        op: Any = None,
-    ) -> Reduced:
-        """A blocking collective (a host read), by default a SUM: only where no window's forward has run yet."""
-        record = self.record(kind, host, device, flags, device_flags)
+    def reduce(self, kind: Kind, *contents: Any, op: Any = None, **named: Any) -> Reduced:
+        """A blocking collective of this rank's :meth:`record` (a host read), by default a SUM: only where no window's
+        forward has run yet."""
+        record = self.record(kind, *contents, **named)
         reduced = self._exchange(kind, record, op or dist.ReduceOp.SUM).read()
         if (
             op is None

@@ -176,12 +176,3 @@ _PARENT_VALUES: dict[str, tuple[Callable[[Any], bool], str]] = {
     "tensor_parallel_size": (_positive_or_auto, "'auto' or a positive int"),
 }
 """The parent's own arguments whose bad values would fail only after launch: (the check, what is expected)."""
-
-
-def static_graph_refused(name: str, argument: str, accumulate: int) -> str:
-    return (
-        f"`{name}` cannot accumulate ({argument}={accumulate}) with DDP's `static_graph=True`: a static graph expects"
-        " every backward to reduce the gradients, and accumulation reduces them in each window's last backward only"
-        " (plain DDP fails too, with PyTorch's 'expect_autograd_hooks_ INTERNAL ASSERT FAILED'). Remove"
-        " `static_graph=True`."
-    )

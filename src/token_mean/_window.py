@@ -365,14 +365,14 @@ def _raise_problems(window: Window, reduced: Reduced, healthy: bool) -> None:
 
 
 def count_received(
-    window: Window, batch: Any, output: StepOutput, count_fn: Callable[[Any], Any], given: bool, use_num_items: bool
+    window: Window, batch: Any, num_items: Any, count_fn: Callable[[Any], Any], given: bool, use_num_items: bool
 ) -> Tensor | float:
     """The count of the batch the forward received, with no host sync: a host float where a named label count
     reads CPU labels with numpy, else a float64 device scalar. With ``use_num_items`` a reported 'num_items' is
     the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
-    reported = None if output.num_items is None else window.on_device(output.num_items, "'num_items'")
+    reported = None if num_items is None else window.on_device(num_items, "'num_items'")
     counted: Tensor | float | None = None
-    if given or output.num_items is None or not use_num_items:
+    if given or num_items is None or not use_num_items:
         host = host_count(count_fn, batch)
         try:
             counted = float(host) if host is not None else window.on_device(count_fn(batch), "`count_fn`")
@@ -549,13 +549,13 @@ def mismatch(count_fn_given: bool) -> Problem:
     return Problem.NUM_ITEMS_MISMATCH_COUNT_FN if count_fn_given else Problem.NUM_ITEMS_MISMATCH_DEFAULT
 
 
-def check_global_count(global_count: float, numerator: float, where: Callable[[], str], detail: str, rank: int) -> None:
+def check_global_count(window: Window, global_count: float, numerator: float, where: Callable[[], str]) -> None:
     """Raise COUNT_RANGE (the same error on every rank: all read the same N) where N cannot normalize the window
     ``where()`` names: N itself, or ``numerator / N`` (the largest factor the mode makes of it), is not finite."""
     if math.isfinite(global_count) and math.isfinite(scale_of(numerator, global_count)):
         return
     lines = [f"N = {global_count!r}: {Problem.COUNT_RANGE.what}. Fix: {Problem.COUNT_RANGE.fix}"]
-    raise_lines(lines, where(), detail, rank)
+    raise_lines(lines, where(), window.detail, window.channel.world.rank)
 
 
 def scale_of(numerator: float, count: float) -> float:

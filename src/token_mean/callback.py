@@ -19,7 +19,7 @@ from token_mean import _lightning
 from token_mean._audit import Objective, Recorded
 from token_mean._counts import count_valid_labels
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._fingerprint import global_norm, grad_norm
+from token_mean._fingerprint import grad_norm
 from token_mean._layout import shared_world
 from token_mean._monitor import Monitoring, audited, loss_and_aux, replayed
 from token_mean._problems import Problem
@@ -188,12 +188,8 @@ class DenominatorMonitor(Monitoring, Callback):
                 BAR_COUNT: int(count) if count.is_integer() else count,
             },
         )
-        param_norm = (
-            global_norm([p.detach() for p in pl_module.parameters()], trainer.strategy.root_device)
-            if self.fingerprints
-            else None
-        )
-        metrics, log_now = self._window(step, stats, elapsed, (gradient, param_norm), naive_loss)
+        device = trainer.strategy.root_device
+        metrics, log_now = self._window(step, stats, elapsed, gradient, pl_module, device, naive_loss)
         interval = self.logging_interval
         due = (
             _lightning.should_update_logs(trainer)
@@ -252,14 +248,11 @@ def _measure(window: Window, batch: Any, outputs: Any, count_fn: Any, accumulate
     window.add(window.channel.zero() if count is None else count, naive * accumulate, filler=False)
 
 
-def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Tensor | None, Tensor | None]:
+def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Any, Tensor | None]:
     """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
     if not isinstance(module, LightningModule):
         raise RuntimeError("token_mean: internal error: the audit replays a module that is not a LightningModule.")
-    output = _lightning.replay_training_step(module, micro_batch.batch, micro_batch.index)
-    if isinstance(output, Mapping) and not isinstance(output.get("loss"), Tensor):  # several terms: the audit's
-        return output, None  # type: ignore[return-value]
-    return loss_and_aux(output)
+    return loss_and_aux(_lightning.replay_training_step(module, micro_batch.batch, micro_batch.index))
 
 
 def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:

@@ -23,7 +23,7 @@ from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, check_reduction, layout, stand_in_loss
 from token_mean._modes import make_mode
 from token_mean._reader import Reader
-from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int, static_graph_refused
+from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int
 from token_mean._window import MicroBatch, StepOutput
 from token_mean.fabric_monitor import FabricMonitor
 from token_mean.results import WindowStats
@@ -423,8 +423,7 @@ def _fabric_layout(fabric: Any, model: Any, accumulate: int) -> Layout:
             " `ModelParallelStrategy`."
         )
     result = layout(strategy, forward)
-    if accumulate > 1 and _lightning.static_graph(strategy):
-        raise ValueError(static_graph_refused("TokenMeanAccumulator", "accumulate", accumulate))
+    _lightning.refuse_static_graph(strategy, "TokenMeanAccumulator", "accumulate", accumulate)
     if isinstance(strategy, ModelParallelStrategy):
         check_reduction(forward, result.world.size, "TokenMeanAccumulator")
     return result

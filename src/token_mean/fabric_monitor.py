@@ -10,7 +10,7 @@ from torch import nn
 from token_mean import _lightning
 from token_mean._audit import Objective
 from token_mean._counts import count_valid_labels
-from token_mean._fingerprint import global_norm, grad_norm
+from token_mean._fingerprint import grad_norm
 from token_mean._layout import World, shared_world
 from token_mean._monitor import Monitoring, audited, replayed
 from token_mean._settings import Settings
@@ -52,7 +52,6 @@ class FabricMonitor(Monitoring):
         self._read_reference()
         self._fabric: Any = None
         self._module: nn.Module | None = None  # the unwrapped module, once attached
-        self._objective: Objective | None = None
         self._step = 0  # windows logged
         self._windows = 0  # windows audited or not (the audit's numbering)
         self._open = False  # a window's first micro-batch was recorded
@@ -126,10 +125,7 @@ class FabricMonitor(Monitoring):
         if self._pending is None:
             return
         (stats, elapsed, gradient), self._pending = self._pending, None
-        param_norm = (
-            global_norm([p.detach() for p in model.parameters()], self._fabric.device) if self.fingerprints else None
-        )
-        metrics, log_now = self._window(self._step, stats, elapsed, (gradient, param_norm))
+        metrics, log_now = self._window(self._step, stats, elapsed, gradient, model, self._fabric.device)
         interval = self.logging_interval or 1
         if ((self._step + 1) % interval == 0 or log_now) and self._fabric.global_rank == 0:
             self._fabric.log_dict(metrics, step=self._step)

@@ -42,7 +42,6 @@ from token_mean._settings import (
     check_passed_through,
     checked_settings,
     named_parameters,
-    static_graph_refused,
 )
 from token_mean._window import MicroBatch, StepOutput, trained_twice_or_skipped
 from token_mean.errors import DenominatorError
@@ -232,10 +231,8 @@ class TokenMeanStrategy(ParallelStrategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Any | None = None) -> None:
         if self._passes is not None:
-            distributed = self.world_size > 1 and dist.is_available() and dist.is_initialized()
-            checkpoint[CHECKPOINT_KEY] = checkpoint_state(
-                self._passes, self._trainer().accumulate_grad_batches, self.world_size, distributed
-            )
+            accumulate = self._trainer().accumulate_grad_batches
+            checkpoint[CHECKPOINT_KEY] = checkpoint_state(self._passes, accumulate, self.world_size)
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
@@ -295,8 +292,7 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
             f"`accumulate_grad_batches` must be a positive int (the micro-batches of one optimizer step), got"
             f" {accumulate!r}: pass `Trainer(accumulate_grad_batches=K)` with K >= 1."
         )
-    if accumulate > 1 and _lightning.static_graph(trainer.strategy):
-        raise ValueError(static_graph_refused(name, "accumulate_grad_batches", accumulate))
+    _lightning.refuse_static_graph(trainer.strategy, name, "accumulate_grad_batches", accumulate)
     if not module.automatic_optimization:
         raise ValueError(
             f"`{name}` needs automatic optimization: with `automatic_optimization = False` the LightningModule"
