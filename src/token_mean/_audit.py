@@ -139,25 +139,28 @@ def objective_error(
     if bad:
         where = problems[0] if problems else "on another rank"
         raise AuditError(f"The objective audit could not count a micro-batch of its window: {where}.")
-    dtypes = [p.dtype for _, p in parameters]
+    dtypes = [p.dtype for _, p in parameters]  # with those the replay weighs in (and those the sharded forward uses)
     if not any(global_counts):
         return None, least_precise(dtypes)
     window = list(zip(micro_batches, counts, strict=True))
     weigh = _weigher(objective, terms, global_counts, global_real)
     sharded = _torch.is_sharded(module)
     parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
-    slots = _slots(parameters, used)
+    buffers, expected = _flat_buffers(parameters, used)  # the views see the all-reduce below: they share storage
+    step = _stepper(module, objective, weigh, dtypes)
     after = capture_rng()
     try:
-        replay = _sharded_replay if sharded else _replay
         with _torch.metrics_kept(module):
-            buffers = replay(module, parameters, used, slots, window, objective, weigh, dtypes)
+            if sharded:
+                dtypes += [leaf.dtype for leaf in used]
+                _sharded_replay(module, used, expected, window, step)
+            else:
+                _replay(module, parameters, expected, window, objective, step)
     finally:
         restore_rng(after)
     if distributed:
         for flat in buffers.values():
             dist.all_reduce(flat, group=group)
-    expected = _views(slots, buffers)
     if sharded:  # its shards lie on every rank of the mesh, the tensor-parallel ones too: the default group's
         return _sharded_error(parameters, used, expected, dtypes, device, dist.is_initialized())
     order = float(PRECISION_ORDER.index(least_precise(dtypes)))
@@ -175,30 +178,25 @@ def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
 
 
 _Key = tuple[torch.dtype, torch.device]
-_Slot = tuple[torch.dtype, torch.device, torch.Size]
-"""A parameter's replayed gradient: its dtype, and the device and shape of the tensor the forward uses."""
 
 
-def _slots(parameters: Sequence[tuple[str, nn.Parameter]], used: Sequence[Tensor]) -> list[_Slot]:
-    return [(p.dtype, leaf.device, _local(leaf).shape) for (_, p), leaf in zip(parameters, used, strict=True)]
-
-
-def _flat_buffers(slots: Sequence[_Slot]) -> dict[_Key, Tensor]:
+def _flat_buffers(
+    parameters: Sequence[tuple[str, nn.Parameter]], used: Sequence[Tensor]
+) -> tuple[dict[_Key, Tensor], list[Tensor]]:
+    """One zeroed flat buffer per dtype and device, and each parameter's replayed gradient as its part of one: the
+    parameter's dtype, shaped like the local part of the tensor its forward uses."""
+    slots = [(p.dtype, leaf.device, _local(leaf).shape) for (_, p), leaf in zip(parameters, used, strict=True)]
     sizes: dict[_Key, int] = {}
     for dtype, device, shape in slots:
         sizes[dtype, device] = sizes.get((dtype, device), 0) + shape.numel()
-    return {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
-
-
-def _views(slots: Sequence[_Slot], buffers: dict[_Key, Tensor]) -> list[Tensor]:
-    """Each slot's part of its dtype's flat buffer, shaped like it."""
+    buffers = {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
     offsets = dict.fromkeys(buffers, 0)
     views = []
     for dtype, device, shape in slots:
         start = offsets[dtype, device]
         offsets[dtype, device] = start + shape.numel()
         views.append(buffers[dtype, device][start : start + shape.numel()].view(shape))
-    return views
+    return buffers, views
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -329,35 +327,44 @@ def _weigher(objective: Objective, terms: Sequence[Any], global_counts: Sequence
     return weigh
 
 
+Step = Callable[[dict[str, Tensor], "Recorded", "tuple[float, ...]"], "tuple[Any, Tensor | None]"]
+"""(the module's state, a micro-batch, its count per term) → its replayed (loss, aux) and what it adds to J."""
+
+
+def _stepper(module: nn.Module, objective: Objective, weigh: Weigh, dtypes: list[torch.dtype]) -> Step:
+    """One micro-batch's replay, the forward with ``state`` under its recorded RNG state, weighed into J."""
+    replay = _Replay(module, objective.loss_fn)
+
+    def step(state: dict[str, Tensor], micro_batch: Recorded, count: tuple[float, ...]) -> tuple[Any, Tensor | None]:
+        restore_rng(micro_batch.rng)
+        with objective.context():
+            replayed = torch.func.functional_call(replay, state, (micro_batch,))
+        return replayed, weigh(micro_batch, count, replayed, dtypes)
+
+    return step
+
+
 def _replay(
     module: nn.Module,
     parameters: Sequence[tuple[str, nn.Parameter]],
-    used: Sequence[Tensor],
-    slots: Sequence[_Slot],
+    views: Sequence[Tensor],
     window: Sequence[tuple[Recorded, tuple[float, ...]]],
     objective: Objective,
-    weigh: Weigh,
-    dtypes: list[torch.dtype],
-) -> dict[_Key, Tensor]:
-    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for plain parameters, in flat buffers."""
-    buffers = _flat_buffers(slots)
+    step: Step,
+) -> None:
+    """This rank's share of g*, Σ_m ∂(w_m · loss_m + aux_m / M)/∂θ, for plain parameters, into ``views``."""
     leaves = {}
-    for (name, p), view in zip(parameters, _views(slots, buffers), strict=True):
+    for (name, p), view in zip(parameters, views, strict=True):
         leaf = p.detach().requires_grad_(True)  # shares the storage; a new autograd leaf without hooks
         leaf.grad = view  # backward accumulates in place into the flat buffer
         leaves[f"module.{name}"] = leaf
     state = {**leaves, **_buffer_clones(module)}
-    replay = _Replay(module, objective.loss_fn)
     for micro_batch, count in window:
         if not any(count) and not (objective.with_aux and not micro_batch.filler):
             continue  # no item: no gradient (its mean loss is 0/0)
-        restore_rng(micro_batch.rng)
-        with objective.context():
-            replayed = torch.func.functional_call(replay, state, (micro_batch,))
-        total = weigh(micro_batch, count, replayed, dtypes)
+        _, total = step(state, micro_batch, count)
         if total is not None and total.requires_grad:
             total.backward()  # type: ignore[no-untyped-call]
-    return buffers
 
 
 def _buffer_clones(module: nn.Module) -> dict[str, Tensor]:
@@ -379,39 +386,27 @@ def _held_and_used(
 
 
 def _sharded_replay(
-    module: nn.Module,
-    parameters: Sequence[tuple[str, nn.Parameter]],
-    used: Sequence[Tensor],
-    slots: Sequence[_Slot],
-    window: Sequence[tuple[Recorded, tuple[float, ...]]],
-    objective: Objective,
-    weigh: Weigh,
-    dtypes: list[torch.dtype],
-) -> dict[_Key, Tensor]:
-    """This rank's share of g* for a module FSDP2 shards or tensor parallelism splits, in flat buffers shaped like
+    module: nn.Module, used: Sequence[Tensor], views: Sequence[Tensor], window: Sequence[Any], step: Step
+) -> None:
+    """This rank's share of g* for a module FSDP2 shards or tensor parallelism splits, into ``views``, shaped like
     the local parts of the ``used`` tensors. Every micro-batch runs forward and backward through the module on every
     rank, so the collectives match; one that adds nothing back-propagates its own loss (or a zero of the sharded
     outputs) with the sink closed. ``autograd.grad`` with respect to the used tensors writes no ``.grad``: FSDP2
     reduce-scatters nothing and hooks on its sharded parameters never fire (those on unmanaged parameters do)."""
     from token_mean._layout import Outputs
 
-    dtypes += [leaf.dtype for leaf in used]
-    buffers = _flat_buffers(slots)
     sink = [True]  # open: the hooks add into the flat buffers
     handles = [
         leaf.register_hook(_sink(leaf, view, sink))  # type: ignore[no-untyped-call]
-        for leaf, view in zip(used, _views(slots, buffers), strict=True)
+        for leaf, view in zip(used, views, strict=True)
     ]
     outputs = Outputs(module)
     state = _buffer_clones(module)
-    replay = _Replay(module, objective.loss_fn)
     try:
         with torch.enable_grad():
             for micro_batch, count in window:
-                restore_rng(micro_batch.rng)
-                with outputs.kept(), objective.context():
-                    replayed = torch.func.functional_call(replay, state, (micro_batch,))
-                total = weigh(micro_batch, count, replayed, dtypes)
+                with outputs.kept():
+                    replayed, total = step(state, micro_batch, count)
                 sink[0] = total is not None and total.requires_grad
                 if not sink[0]:
                     total = next((t for t in replayed if t is not None and t.requires_grad), None)
@@ -423,7 +418,6 @@ def _sharded_replay(
         for handle in handles:
             handle.remove()
         outputs.remove()
-    return buffers
 
 
 def _sink(leaf: Tensor, view: Tensor, open_: list[bool]) -> Callable[[Tensor], Tensor]:
