@@ -56,8 +56,13 @@ def test_no_install_command_names_an_unpublished_package() -> None:
 def test_import_registers_the_strategy_names() -> None:
     """README's quick start: `import token_mean` registers "ddp_token_mean"; without it Lightning refuses the name."""
     make = "import lightning.pytorch as pl; pl.Trainer(strategy='ddp_token_mean', accelerator='cpu', devices=1)"
-    without = subprocess.run([sys.executable, "-c", make], capture_output=True, text=True, timeout=120)
-    assert without.returncode != 0 and "invalid strategy name" in without.stderr, without.stderr[-2000:]
-    with_import = subprocess.run([sys.executable, "-c", "import token_mean; " + make], capture_output=True,
-                                 text=True, timeout=120)
-    assert with_import.returncode == 0, with_import.stderr[-2000:]
+    processes = [subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True) for code in (make, "import token_mean; " + make)]  # side by side
+    try:
+        (_, without), (_, with_import) = (process.communicate(timeout=120) for process in processes)
+    finally:
+        for process in processes:
+            process.kill()
+            process.wait()
+    assert processes[0].returncode != 0 and "invalid strategy name" in without, without[-2000:]
+    assert processes[1].returncode == 0, with_import[-2000:]

@@ -9,6 +9,7 @@ they would get wrong.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -236,8 +237,9 @@ def test_a_rank_that_ends_its_epoch_early_raises_at_once(tmp_path: Path, mode: s
     """Rank 0 returns -1 in the middle of a window: it raises there, naming the fix; rank 1, left in the window's
     collectives, fails with it (its own message is the process group's)."""
     module = LeavesEarly(nonempty_data(9, seed=174), 4, iterable=False)
+    alone = timedelta(seconds=5)  # rank 1 waits this long in the collective rank 0 left (forked: no imports to cover)
     errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(
-        module, strategy_for(mode, timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=3, max_epochs=2
+        module, strategy_for(mode, timeout=alone), tmp_path, accumulate_grad_batches=3, max_epochs=2
     ))
     assert errors[0].startswith("DenominatorError: token_mean: " + LEFT_EARLY.format(at=4, rank=0)), errors[0]
     assert "Fix: end epochs early with `limit_train_batches` or `max_steps`" in errors[0], errors[0]
