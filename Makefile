@@ -32,7 +32,7 @@ lint: $(STAMP)
 	$(VENV)/bin/ruff format --check src
 	$(VENV)/bin/mypy
 
-# Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: ~5 min on 2 cores.
+# Every recorded figure (benchmarks/results/, quoted in both READMEs) at the current commit: about half an hour on 2 cores.
 bench: $(STAMP)
 	$(PY) benchmarks/cost.py
 	$(PY) benchmarks/scale_model.py
@@ -40,9 +40,11 @@ bench: $(STAMP)
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
 	$(PY) benchmarks/host_time.py
+	$(PY) benchmarks/host_time.py --unpinned --json benchmarks/results/host_time_unpinned.json --markdown benchmarks/results/host_time_unpinned.md
 	$(PY) benchmarks/instructions.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/audit.py
+	$(PY) benchmarks/count_check.py
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

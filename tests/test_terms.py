@@ -191,10 +191,12 @@ def test_bad_terms_are_refused_at_construction(kwargs: dict[str, Any], match: st
 
 
 @pytest.mark.distributed
-@pytest.mark.parametrize("returned", [("lm",), ("lm", "cls", "extra")], ids=["a-term-missing", "an-extra-term"])
+@pytest.mark.parametrize("returned", [("lm",), ("lm", "cls", "extra"), ("lm", "cls", "aux_loss")],
+                         ids=["a-term-missing", "an-extra-term", "an-aux-loss-beside-terms"])
 def test_terms_the_step_does_not_return_raise_on_every_rank(tmp_path: Path, returned: Sequence[str]) -> None:
+    """An 'aux_loss' beside the terms would not be trained (it is a term with `count_micro_batches`): refused too."""
     data = with_classes(ragged_batches(2, 4, seed=76))
-    available = {"lm": lm, "cls": cls, "extra": next_token}
+    available = {"lm": lm, "cls": cls, "extra": next_token, "aux_loss": balance}
     module = TermsModule(data, {name: available[name] for name in returned})
     strategy = strategy_for("lookahead", count_fn={"lm": count_valid_labels, "cls": count_examples})
     run = lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=K)  # noqa: E731
@@ -312,6 +314,30 @@ def test_several_terms_under_fsdp2(tmp_path: Path) -> None:
     params, _ = fit(MeshTerms(data), mesh_strategy("lookahead", 2, 1, count_fn=LM_AND_CLS), tmp_path, 2,
                     accumulate_grad_batches=K)
     assert relative_error(params, reference(terms, data)) < EXACT
+
+
+@pytest.mark.distributed
+def test_the_audit_of_several_terms_under_fsdp2_with_fillers(tmp_path: Path) -> None:
+    """The sharded replay of several terms, on ranks of 5 and 3 batches (fillers, which add nothing but must still
+    run the sharded collectives), with the step also returning its sum as "loss" (not the objective's): every audit
+    passes at rounding and the run matches the reference."""
+    from _mesh import MeshModule
+    from test_audit import audited_fit
+    from test_model_parallel import strategy_for as mesh_strategy
+
+    class MeshTerms(MeshModule):
+        def training_step(self, batch: Batch, batch_idx: int) -> Any:
+            terms = {"lm": lm(self.net, batch), "cls": cls(self.net, batch)}
+            return {**terms, "loss": terms["lm"] + terms["cls"]}
+
+    terms = CASES["lm-plus-classification"][0]
+    data = with_classes([ragged_batches(2, 5, seed=78)[0], ragged_batches(2, 3, seed=79)[1]])
+    params, audits = audited_fit(MeshTerms(data), mesh_strategy("lookahead", 2, 1, count_fn=LM_AND_CLS), tmp_path,
+                                 accumulate_grad_batches=K)
+    assert relative_error(params, reference(terms, data)) < EXACT
+    assert len(audits[0]) == 3, audits[0]
+    for audit in audits[0]:
+        assert audit.passed and audit.error is not None and audit.error < 1e-12, audit
 
 
 @pytest.mark.distributed

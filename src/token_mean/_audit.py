@@ -39,8 +39,8 @@ DEFAULT_TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-4, torch.bfloat16: 
 MIXED_TOLERANCE = {"bf16-mixed": 5e-2, "16-mixed": 1e-2}
 """Under autocast the replay's float32 gradient sums bf16/fp16 products in another order than the run's."""
 
-LossFn = Callable[[nn.Module, "Recorded"], "tuple[Tensor | None, Tensor | None]"]
-"""(module, micro-batch) → (its loss as the run computed it, its ``aux_loss`` or None); None: no gradient."""
+LossFn = Callable[[nn.Module, "Recorded"], Any]
+"""(module, micro-batch) → the step's output as the run computed it (:func:`step_losses` takes it apart)."""
 
 
 RngState = tuple[Tensor, tuple[Tensor, ...]]
@@ -76,7 +76,8 @@ Replayed = tuple["float | None", torch.dtype]
 
 @dataclass(frozen=True)
 class Objective:
-    """What the audit recomputes: the loss of one micro-batch, its count and how the loss relates to the count."""
+    """What the audit recomputes: the step's output for one micro-batch (a loss, or a mapping with ``"loss"``,
+    ``"aux_loss"``, ``"num_items"`` or the terms' losses), its count and how the loss relates to the count."""
 
     loss_fn: LossFn
     count_fn: Callable[[Any], Any]
@@ -84,6 +85,20 @@ class Objective:
     with_aux: bool = False  # add the mean of 'aux_loss' over the window's real micro-batches (the strategy's)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext  # the forward's precision context
     terms: tuple[Any, ...] = ()  # an objective of several terms: (name, count, reduction) each; the loss a mapping
+    num_items: bool = False  # a reported 'num_items' is the count (deferred mode): the count check takes it
+    check_count: bool = True  # False: the strategy's `check_count=False`, so no count check at audited windows
+
+
+def step_losses(output: Any, terms: bool) -> tuple[Any, Tensor | None]:
+    """A step's output as the audit weighs it, (loss, aux), the loss None where there is none; with ``terms`` the
+    loss is the mapping of the terms' losses (its ``"loss"``, if any, is not the objective's)."""
+    if isinstance(output, Tensor):
+        return (None if terms else output), None
+    if not isinstance(output, Mapping):
+        return None, None
+    aux = output.get("aux_loss")
+    loss = output if terms else output.get("loss")
+    return (loss if terms or isinstance(loss, Tensor) else None), (aux if isinstance(aux, Tensor) else None)
 
 
 def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -241,26 +256,19 @@ def forward_only(
 
 
 def count_check(
-    module: nn.Module,
-    recorded: Sequence[Recorded],
-    fn: Callable[[nn.Module, Recorded], Any],
-    objective: Objective,
-    num_items: bool,
-    where: str,
-    world: World,
+    module: nn.Module, recorded: Sequence[Recorded], objective: Objective, where: str, world: World
 ) -> tuple[float | None, str | None]:
     """The count check (:mod:`token_mean._count_check`) of a window's ``recorded`` micro-batches, on every rank of
     ``world`` (the ranks that share N; tensor-parallel peers check the same batch): the largest relative mismatch
-    (None: nothing checkable on any rank) and the error every rank raises (None: passed). ``fn(module,
-    micro_batch)`` is the step's output: a loss, or a mapping with ``"loss"`` (and ``"num_items"``, the count where
-    ``num_items``)."""
+    (None: nothing checkable on any rank) and the error every rank raises (None: passed). ``objective.loss_fn`` gives
+    the step's output: a loss, or a mapping with ``"loss"`` (and ``"num_items"``, the count in deferred mode)."""
     from token_mean._count_check import check, failure
 
     terms = objective.terms or ((None, objective.count_fn, objective.loss_reduction),)
 
     def replaying(name: str | None) -> Callable[[Any, int], tuple[Tensor | None, Any]]:
         def replay(batch: Any, index: int) -> tuple[Tensor | None, Any]:
-            output = forward_only(module, fn, replace(recorded[index], batch=batch), objective.context)
+            output = forward_only(module, objective.loss_fn, replace(recorded[index], batch=batch), objective.context)
             if isinstance(output, Mapping):
                 items = output.get("num_items")
                 if name is None:
@@ -278,7 +286,7 @@ def count_check(
                 replaying(name),
                 count_fn,
                 reduction,
-                num_items,
+                objective.num_items,
                 _torch.is_sharded(module),
                 batch_statistics,
             )
@@ -338,7 +346,7 @@ def _stepper(module: nn.Module, objective: Objective, weigh: Weigh, dtypes: list
     def step(state: dict[str, Tensor], micro_batch: Recorded, count: tuple[float, ...]) -> tuple[Any, Tensor | None]:
         restore_rng(micro_batch.rng)
         with objective.context():
-            replayed = torch.func.functional_call(replay, state, (micro_batch,))
+            replayed = step_losses(torch.func.functional_call(replay, state, (micro_batch,)), bool(objective.terms))
         return replayed, weigh(micro_batch, count, replayed, dtypes)
 
     return step
@@ -409,7 +417,9 @@ def _sharded_replay(
                     replayed, total = step(state, micro_batch, count)
                 sink[0] = total is not None and total.requires_grad
                 if not sink[0]:
-                    total = next((t for t in replayed if t is not None and t.requires_grad), None)
+                    loss, aux = replayed  # a tensor that reaches the sharded modules, whatever it weighs
+                    losses = [*(loss.values() if isinstance(loss, Mapping) else [loss]), aux]
+                    total = next((t for t in losses if isinstance(t, Tensor) and t.requires_grad), None)
                 if total is None:
                     total = outputs.stand_in_loss()  # None: no sharded module ran, no collective to match
                 if total is not None:
@@ -637,14 +647,10 @@ class Auditor:
         error, dtype = objective_error(module, self._recorded, self._objective, self._world)
         tolerance = self.tolerance_for(dtype, self._precision)
         objective = self._objective
-        count_error, count_failure = count_check(
-            module,
-            self._recorded,
-            lambda m, mb: objective.loss_fn(m, mb)[0],
-            objective,
-            False,
-            f"optimizer step {window}",
-            self._world,
+        count_error, count_failure = (
+            count_check(module, self._recorded, objective, f"optimizer step {window}", self._world)
+            if objective.check_count
+            else (None, None)
         )
         passed = (error is None or error <= tolerance) and count_failure is None
         audit = Audit(window, error, tolerance, passed, count_error)

@@ -26,7 +26,7 @@ from token_mean._layout import Layout
 from token_mean._problems import Problem
 from token_mean._reader import Entry, Reader
 from token_mean._record import TERM_COUNT, TERM_LOSS_SUM, TERM_NEXT_COUNT, Channel, Kind, Reduced, Slot
-from token_mean._settings import RESERVED, Settings
+from token_mean._settings import Settings
 from token_mean._window import (
     Ended,
     MicroBatch,
@@ -319,7 +319,7 @@ class _TermsWindow(_LookaheadWindow):
         extra = [
             key
             for key, value in given.items()
-            if isinstance(value, Tensor) and key not in names and key not in RESERVED
+            if isinstance(value, Tensor) and key not in names and key not in ("loss", "num_items")
         ]
         if output.terms is None or extra or any(loss is None for loss in losses):
             returned = sorted(key for key, value in given.items() if isinstance(value, Tensor))

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any, Literal
 
@@ -238,23 +238,9 @@ def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None)
     return metrics
 
 
-def loss_and_aux(output: Any) -> tuple[Any, Tensor | None]:
-    """A step's output (a tensor, or a mapping with ``"loss"`` and ``"aux_loss"``) as (loss, aux), or (None, None);
-    a mapping without a ``"loss"`` tensor (an objective of several terms) as (the mapping of term losses, None)."""
-    if isinstance(output, Tensor):
-        return output, None
-    if isinstance(output, Mapping):
-        if not isinstance(output.get("loss"), Tensor):
-            return output, None
-        aux = output.get("aux_loss")
-        return output["loss"], aux if isinstance(aux, Tensor) else None
-    return None, None
-
-
-def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], tuple[Any, Tensor | None]]:
-    """``audit_loss`` as the audit replays it: (loss, aux), the loss a mapping of term losses for several terms."""
-
-    return lambda module, micro_batch: loss_and_aux(audit_loss(module, micro_batch.batch))
+def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
+    """``audit_loss(module, batch)`` as the audit replays a recorded micro-batch: the step's output."""
+    return lambda module, micro_batch: audit_loss(module, micro_batch.batch)
 
 
 def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:

@@ -33,7 +33,8 @@ class Problem(Enum):
     TERMS_MISMATCH = (
         "the terms `training_step` returned are not the terms `count_fn` names",
         "return a mapping with one loss per key of `count_fn` (and no other tensor), e.g. `{'lm': lm_loss, 'cls':"
-        " cls_loss}` for `count_fn={'lm': ..., 'cls': ...}` (docs/counts.md, objectives of several terms).",
+        " cls_loss}` for `count_fn={'lm': ..., 'cls': ...}`; an 'aux_loss' averaged over micro-batches is a term of"
+        " its own with `count_micro_batches` (docs/counts.md, objectives of several terms).",
     )
     BAD_LOSS = (
         "the loss of a micro-batch that the count says holds valid items is NaN or infinite (or count × loss"

@@ -21,7 +21,7 @@ from token_mean._counts import count_valid_labels
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import grad_norm
 from token_mean._layout import shared_world
-from token_mean._monitor import Monitoring, audited, loss_and_aux, replayed
+from token_mean._monitor import Monitoring, audited, replayed
 from token_mean._problems import Problem
 from token_mean._record import Channel, Slot
 from token_mean._window import Window
@@ -105,14 +105,17 @@ class DenominatorMonitor(Monitoring, Callback):
                 destroy_process_group_at_exit()  # the measurement's collectives run on a group a plain strategy keeps
             self._channel = Channel(world, rank_counts=True)
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
-        loss = _training_step_loss if self.audit_loss is None else replayed(self.audit_loss)
+        loss = _training_step_output if self.audit_loss is None else replayed(self.audit_loss)
+        settings = self._strategy._settings if self._strategy is not None else None
         objective = Objective(
             loss,
             self._count_fn,
             self._reduction,
             aux,
             trainer.strategy.precision_plugin.train_step_context,
-            self._strategy.terms if self._strategy is not None else (),
+            settings.terms if settings is not None else (),
+            num_items=settings is not None and settings.mode == "deferred",
+            check_count=settings is None or settings.check_count,
         )
         self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
         self._auditor.start(trainer.global_step)
@@ -248,11 +251,11 @@ def _measure(window: Window, batch: Any, outputs: Any, count_fn: Any, accumulate
     window.add(window.channel.zero() if count is None else count, naive * accumulate, filler=False)
 
 
-def _training_step_loss(module: torch.nn.Module, micro_batch: Recorded) -> tuple[Any, Tensor | None]:
-    """The micro-batch's loss and ``aux_loss`` as ``training_step`` returns them, its ``self.log`` calls dropped."""
+def _training_step_output(module: torch.nn.Module, micro_batch: Recorded) -> Any:
+    """What ``training_step`` returns for the micro-batch, its ``self.log`` calls dropped."""
     if not isinstance(module, LightningModule):
         raise RuntimeError("token_mean: internal error: the audit replays a module that is not a LightningModule.")
-    return loss_and_aux(_lightning.replay_training_step(module, micro_batch.batch, micro_batch.index))
+    return _lightning.replay_training_step(module, micro_batch.batch, micro_batch.index)
 
 
 def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trainer: Trainer) -> str:

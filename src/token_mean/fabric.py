@@ -357,7 +357,7 @@ def _step_output(loss: Any, aux_loss: Tensor | None, num_items: Any, terms: Sequ
     """What ``accumulator.backward`` was given, taken apart (several terms: a mapping of their losses)."""
     names = [name for name, _, _ in terms]
     if names:  # a tensor where terms are expected is a mismatch the window raises on every rank
-        given = {**loss, "num_items": num_items} if isinstance(loss, Mapping) else {}
+        given = {**loss, "num_items": num_items, "aux_loss": aux_loss} if isinstance(loss, Mapping) else {}
         return StepOutput.of(given, lambda: stand_in_loss(model), names)[0]
     if isinstance(loss, Tensor):
         return StepOutput(loss, aux_loss, num_items, loss)

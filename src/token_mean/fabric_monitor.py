@@ -82,6 +82,8 @@ class FabricMonitor(Monitoring):
             aux,
             strategy.precision.forward_context,
             settings.terms if settings is not None else (),
+            num_items=settings is not None and settings.mode == "deferred",
+            check_count=settings is None or settings.check_count,
         )
         self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
         self._auditor.start(0)

@@ -323,15 +323,15 @@ def check_first_window(
     module: Module, recorded: list[Recorded], settings: Settings, world: World, where: str, context: Callable[[], Any]
 ) -> None:
     """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
+    deferred = settings.mode == "deferred"  # a reported 'num_items' is the count
     objective = Objective(
-        _training_step, settings.count_fn, settings.loss_reduction, context=context, terms=settings.terms
+        _training_step, settings.count_fn, settings.loss_reduction, False, context, settings.terms, deferred
     )
-    mismatch, error = count_check(
-        module, recorded, _training_step, objective, settings.mode == "deferred", where, world
-    )
+    mismatch, error = count_check(module, recorded, objective, where, world)
     if error is not None:
         raise DenominatorError(error)
-    if mismatch is None and labels_key(settings.count_fn, recorded[0].batch) is not None:
+    counts = [count for _, count, _ in settings.terms] or [settings.count_fn]
+    if mismatch is None and any(labels_key(count, recorded[0].batch) is not None for count in counts):
         rank_zero_warn(
             f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
             " two valid labels (rows). Nothing says the count is the loss's own denominator."
