@@ -221,6 +221,7 @@ def accumulator_loop(
     model, optimizer = setup(fabric)
     batches = rank_batches(fabric, data, loader)
     kwargs.setdefault("count_fn", count_shifted_labels)
+    kwargs.setdefault("loss_fn", loss_fn)  # the count check replays it at the first window
     accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, **kwargs)
 
     def step(stats: Any) -> None:

@@ -334,7 +334,7 @@ def _metric_in_the_loop(fabric: Fabric, data: list[list[Batch]], mode: str) -> t
     metric = TokenMeanLoss().to(fabric.device)
     fillers = []
     for batch in accumulator.batches(data[fabric.global_rank]):
-        fillers.append(accumulator.is_filler)
+        fillers.append(accumulator.is_filler_batch)
         with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
             loss = shifted_loss(model, batch)
             metric.update(loss.detach(), shifted_count(batch))
@@ -684,7 +684,7 @@ def test_finish_before_the_last_micro_batchs_backward(mode: str) -> None:
 @pytest.mark.parametrize("what", ["accumulating", "is_filler_batch", "backward", "finish"])
 def test_the_batch_in_flight_outside_a_pass(mode: str, when: str, what: str) -> None:
     """``accumulating``, ``backward`` and ``finish`` are only defined for a batch the pass yielded; outside one, no
-    micro-batch is a filler (``is_filler_batch`` and its first name ``is_filler`` are False, as under the Trainer)."""
+    micro-batch is a filler (``is_filler_batch`` is False, as under the Trainer)."""
     _, model, optimizer, accumulator, data = one_device(mode)
     loss = shifted_loss(model, data[0])
     if when == "after-the-pass":
@@ -695,7 +695,7 @@ def test_the_batch_in_flight_outside_a_pass(mode: str, when: str, what: str) -> 
                 optimizer.step()
                 optimizer.zero_grad()
     if what == "is_filler_batch":
-        assert accumulator.is_filler_batch is False and accumulator.is_filler is False
+        assert accumulator.is_filler_batch is False
         return
     actions: dict[str, Callable[[], Any]] = {
         "accumulating": lambda: accumulator.accumulating,
@@ -1071,7 +1071,8 @@ def checkpointed(
     ``as_object``: the accumulator itself goes into the state (Fabric calls its ``state_dict``/``load_state_dict``),
     else its dict."""
     model, optimizer = setup(fabric)
-    accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, count_fn=count_shifted_labels)
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=accumulate, mode=mode, count_fn=count_shifted_labels,
+                                       loss_fn=shifted_loss)
     first_pass = 0
     if phase == "resumed":
         state: dict[str, Any] = {"model": model, "optimizer": optimizer, "pass": None,

@@ -1,5 +1,6 @@
-"""The package's shape as core v5 set it (#33): no import circle of any kind (lazy and ``TYPE_CHECKING``-only imports
-count), at most 50 classes, no class over 200 lines and no function over 60, measured on ruff-formatted code."""
+"""The package's shape: no import circle of any kind (lazy and ``TYPE_CHECKING``-only imports count), no class over 200
+lines and no function over 60, measured on ruff-formatted code. (Core v5's cap of 50 classes went with #43: it turned
+named types into positional tuples.)"""
 
 import ast
 import graphlib
@@ -40,16 +41,14 @@ def test_no_import_circle() -> None:
 
 
 def test_sizes() -> None:
-    classes, too_long = 0, []
+    too_long = []
     for module, tree in _trees().items():
         for node in ast.walk(tree):
             limit = 200 if isinstance(node, ast.ClassDef) else 60
             if isinstance(node, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
-                classes += isinstance(node, ast.ClassDef)
                 size = (node.end_lineno or node.lineno) - node.lineno + 1
                 if size > limit:
                     too_long.append(f"{module}.{node.name}: {size} lines")
-    assert classes <= 50
     assert not too_long
 
 

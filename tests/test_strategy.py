@@ -433,7 +433,8 @@ def test_dict_output_and_custom_count_fn(tmp_path: Path, mode: str) -> None:
     expected = weighted_reference(data, 2)
     token_mean_objective, _ = reference(data, constant(2))
     assert relative_error(token_mean_objective, expected) > 1e-3, "the weights change nothing: the test could not fail"
-    strategy = strategy_for(mode, count_fn=WeightCount(tmp_path))
+    # the count check calls the count on the halves it replays (test_count_check.py): off, to count the strategy's
+    strategy = strategy_for(mode, count_fn=WeightCount(tmp_path), check_count=False)
     module = TokenModule(data, output_fn=weighted_mean)
     params, windows = fit(module, strategy, tmp_path / "run", accumulate_grad_batches=2)
     assert relative_error(params, expected) < EXACT

@@ -4,6 +4,7 @@ control that misses; in the Trainer and in a Fabric loop."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -245,6 +246,62 @@ def test_the_monitor_logs_records_and_compares_each_term(tmp_path: Path) -> None
     assert all("step 1 diverged" in error and "cls/loss is" in error for error in errors), errors
 
 
+class OutputsRecorder(TermsModule):
+    """Rank r writes every micro-batch's `outputs["loss"]` and the progress bar after each step."""
+
+    def __init__(self, data: list[list[Batch]], losses: dict[str, TermLoss], out: Path) -> None:
+        super().__init__(data, losses)
+        self.out, self.seen, self.bars = out, [], []
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.seen.append(float(outputs["loss"]))
+        self.bars.append(dict(self.trainer.progress_bar_metrics))
+
+    def on_train_end(self) -> None:
+        import json
+
+        (self.out / f"outputs{self.global_rank}.json").write_text(json.dumps({"loss": self.seen, "bar": self.bars}))
+
+
+@pytest.mark.distributed
+def test_monitors_show_each_term_and_no_sum_of_unlike_counts(tmp_path: Path) -> None:
+    """#41 item 8: tokens and examples are never added into one N. The bar shows `N_lm` and `N_cls`; the loggers get
+    each term's count and per-rank figures (`lm/global_count`, `cls/imbalance`, ...), not the whole objective's;
+    each term's per-rank counts add up to its N; `outputs["loss"]` is finite where a term has no items."""
+    import json
+
+    from _monitor_helpers import logged, trainer_for
+
+    from token_mean import DenominatorMonitor
+
+    data = with_classes(ragged_batches(2, 4, seed=71))
+    data[0][0]["labels"] = torch.full_like(data[0][0]["labels"], IGNORE_INDEX)  # no `lm` item in this micro-batch
+    out = tmp_path / "out"
+    out.mkdir()
+    trainer = trainer_for(tmp_path, strategy_for("lookahead", count_fn=LM_AND_CLS), devices=2,
+                          accumulate_grad_batches=K, callbacks=[DenominatorMonitor()])
+    trainer.fit(OutputsRecorder(data, {"lm": lm, "cls": cls}, out))
+    steps = logged(tmp_path)
+    assert len(steps) == 2
+    for metrics in steps.values():
+        assert "global_count" not in metrics and "imbalance" not in metrics and "rank_count_max" not in metrics
+        for term in ("lm", "cls"):
+            assert {f"{term}/global_count", f"{term}/rank_count_min", f"{term}/rank_count_max", f"{term}/imbalance",
+                    f"{term}/naive_weight_error", f"{term}/loss"} <= set(metrics), metrics
+            assert metrics[f"{term}/rank_count_mean"] * 2 == metrics[f"{term}/global_count"]
+    first = steps[0]
+    rows = sum(len(rank[i]["cls"]) for rank in data for i in range(K))
+    assert first["cls/global_count"] == rows
+    assert first["lm/global_count"] == sum(int((rank[i]["labels"] != IGNORE_INDEX).sum()) for rank in data
+                                           for i in range(K))
+    for rank in (0, 1):
+        seen = json.loads((out / f"outputs{rank}.json").read_text())
+        assert all(math.isfinite(loss) for loss in seen["loss"]), seen["loss"]
+        bars = [bar for bar in seen["bar"] if "exact_loss" in bar]
+        assert bars and all("N" not in bar and {"N_lm", "N_cls"} <= set(bar) for bar in bars), bars
+        assert bars[0]["N_cls"] == rows
+
+
 @pytest.mark.distributed
 def test_the_audit_replays_the_whole_objective(tmp_path: Path) -> None:
     """g* is the gradient of J over both terms: every audit passes at rounding, and records each term's count
@@ -271,7 +328,7 @@ def test_the_count_check_runs_per_term(tmp_path: Path) -> None:
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("DenominatorError: token_mean: the count check failed at the accumulation window of"
                                 " optimizer step 0 (epoch 0, batches 0..1), term 'lm'"), errors[0]
-    assert "`count_fn=token_mean.count_shifted_labels`" in errors[0], errors[0]
+    assert "Fix: `count_fn['lm']=token_mean.count_shifted_labels`" in errors[0], errors[0]
 
 
 # ---------------------------------------------------------------------------------------------------------------

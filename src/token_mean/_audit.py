@@ -26,7 +26,8 @@ from torch import Tensor, nn
 from token_mean import _torch
 from token_mean._counts import read_count
 from token_mean._layout import World
-from token_mean.errors import AuditError
+from token_mean._settings import Settings
+from token_mean.errors import AuditError, DenominatorError
 from token_mean.results import Audit
 
 OnAuditFailure = Literal["raise", "warn", "log"]
@@ -52,6 +53,12 @@ def capture_rng() -> RngState:
     return torch.get_rng_state(), cuda
 
 
+def _rng_moved(state: RngState) -> bool:
+    cpu, cuda = state
+    now_cpu, now_cuda = capture_rng()
+    return not torch.equal(cpu, now_cpu) or any(not torch.equal(a, b) for a, b in zip(cuda, now_cuda, strict=False))
+
+
 def restore_rng(state: RngState) -> None:
     cpu, cuda = state
     torch.set_rng_state(cpu)
@@ -68,6 +75,7 @@ class Recorded:
     rng: RngState
     filler: bool = False
     index: int = 0
+    trained: Any = None  # the step's losses as it trained (detached): the count check tells randomness by them
 
 
 Replayed = tuple["float | None", torch.dtype]
@@ -99,6 +107,19 @@ def step_losses(output: Any, terms: bool) -> tuple[Any, Tensor | None]:
     aux = output.get("aux_loss")
     loss = output if terms else output.get("loss")
     return (loss if terms or isinstance(loss, Tensor) else None), (aux if isinstance(aux, Tensor) else None)
+
+
+def trained_losses(output: Any, names: Sequence[str]) -> Any:
+    """What the count check compares a replay with: the step's loss (several terms: the mapping of their losses),
+    detached; nothing else the step returned is kept."""
+    if isinstance(output, Tensor):
+        return output.detach()
+    if not isinstance(output, Mapping):
+        return None
+    if names:
+        return {name: value.detach() for name in names if isinstance(value := output.get(name), Tensor)}
+    loss = output.get("loss")
+    return {"loss": loss.detach()} if isinstance(loss, Tensor) else None
 
 
 def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
@@ -237,10 +258,12 @@ def forward_only(
     fn: Callable[[nn.Module, Recorded], Any],
     micro_batch: Recorded,
     context: Callable[[], AbstractContextManager[Any]] = nullcontext,
+    drew: list[bool] | None = None,
 ) -> Any:
     """``fn(module, micro_batch)`` without gradient, under the micro-batch's recorded RNG state, on cloned buffers:
     parameters, buffers, RNG streams and ``.grad`` stay as they were (FSDP2 keeps a root it unsharded for a forward
-    without gradient so until it is told to reshard: told here, or the next forward would use stale parameters)."""
+    without gradient so until it is told to reshard: told here, or the next forward would use stale parameters).
+    ``drew``: gets whether the forward drew from the global generators (dropout)."""
     from torch.distributed.fsdp import FSDPModule
 
     after = capture_rng()
@@ -249,6 +272,8 @@ def forward_only(
         with torch.no_grad(), context():
             return torch.func.functional_call(_Replay(module, fn), _buffer_clones(module), (micro_batch,))
     finally:
+        if drew is not None:
+            drew.append(_rng_moved(micro_batch.rng))
         restore_rng(after)
         for submodule in module.modules():
             if isinstance(submodule, FSDPModule):
@@ -256,57 +281,62 @@ def forward_only(
 
 
 def count_check(
-    module: nn.Module, recorded: Sequence[Recorded], objective: Objective, where: str, world: World
-) -> tuple[float | None, str | None]:
+    module: nn.Module,
+    recorded: Sequence[Recorded],
+    objective: Objective,
+    where: str,
+    world: World,
+    step: str = "`training_step`",
+) -> tuple[float | None, str | None, list[str]]:
     """The count check (:mod:`token_mean._count_check`) of a window's ``recorded`` micro-batches, on every rank of
-    ``world`` (the ranks that share N; tensor-parallel peers check the same batch): the largest relative mismatch
-    (None: nothing checkable on any rank) and the error every rank raises (None: passed). ``objective.loss_fn`` gives
-    the step's output: a loss, or a mapping with ``"loss"`` (and ``"num_items"``, the count in deferred mode)."""
-    from token_mean._count_check import check, failure
+    ``world`` (the ranks that share N; tensor-parallel peers check the same batches): the largest relative mismatch
+    (None: nothing decided), the error every rank raises (None: passed) and the warnings every rank gives (the
+    check could not decide). ``objective.loss_fn`` gives the step's output; ``step`` names it in messages."""
+    from token_mean._count_check import Replays, Sample, check, decide, forwards_per_sample
 
     terms = objective.terms or ((None, objective.count_fn, objective.loss_reduction),)
+    samples = [Sample(mb.batch, mb.filler, mb.trained) for mb in recorded]
 
-    def replaying(name: str | None) -> Callable[[Any, int], tuple[Tensor | None, Any]]:
-        def replay(batch: Any, index: int) -> tuple[Tensor | None, Any]:
-            output = forward_only(module, objective.loss_fn, replace(recorded[index], batch=batch), objective.context)
-            if isinstance(output, Mapping):
-                items = output.get("num_items")
-                if name is None:
-                    return output.get("loss"), items
-                return output.get(name), items.get(name) if isinstance(items, Mapping) else None
-            return (output, None) if isinstance(output, Tensor) and name is None else (None, None)
-
-        return replay
-
-    batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
-    with _torch.metrics_kept(module):  # each term checked on its own (several terms: 3 forwards each)
-        local = [
-            check(
-                [(mb.batch, mb.filler) for mb in recorded],
-                replaying(name),
-                count_fn,
-                reduction,
-                objective.num_items,
-                _torch.is_sharded(module),
-                batch_statistics,
+    def replay(batch: Any, index: int) -> Any:
+        drew: list[bool] = []
+        try:
+            return forward_only(
+                module, objective.loss_fn, replace(recorded[index], batch=batch), objective.context, drew
             )
-            for name, count_fn, reduction in terms
-        ]
+        finally:
+            if any(drew):
+                replays.drew.add(index)
+
+    replays = Replays(replay, samples, matched=_torch.is_sharded(module))
+    batch_statistics = any(isinstance(m, nn.modules.batchnorm._BatchNorm) and m.training for m in module.modules())
+    with _torch.metrics_kept(module):
+        local = [check(replays, term, objective.num_items, batch_statistics, terms) for term in terms]
+        replays.pad(len(samples) * forwards_per_sample(terms))  # the forwards are collectives: as many on each rank
     gathered = [local]
     if world.distributed:
         gathered = [None] * world.size  # type: ignore[list-item]
         dist.all_gather_object(gathered, local, group=world.group)
-    mismatches = [result[0] for results in gathered for result in results if result is not None]
-    for t, (name, count_fn, reduction) in enumerate(terms):
-        error = failure(
-            [results[t] for results in gathered],
-            count_fn,
-            reduction,
-            where if name is None else f"{where}, term {name!r}",
-        )
-        if error is not None:
-            return max(mismatches), error
-    return max(mismatches, default=None), None
+    return decide(gathered, terms, where, step)
+
+
+def check_first_window(
+    module: nn.Module,
+    recorded: list[Recorded],
+    settings: Settings,
+    world: World,
+    where: str,
+    context: Callable[[], Any],
+    loss_fn: LossFn,
+    step: str = "`training_step`",
+) -> None:
+    """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
+    deferred = settings.mode == "deferred"  # a reported 'num_items' is the count
+    objective = Objective(loss_fn, settings.count_fn, settings.loss_reduction, False, context, settings.terms, deferred)
+    _, error, warnings = count_check(module, recorded, objective, where, world, step)
+    if error is not None:
+        raise DenominatorError(error)
+    for warning in warnings:
+        rank_zero_warn(warning)
 
 
 Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
@@ -569,6 +599,7 @@ class Auditor:
         self.on_failure: OnAuditFailure = on_failure  # type: ignore[assignment]
         self.tolerance: float | None = None if tolerance is None else float(tolerance)
         self._front_end = front_end
+        self._step = "`audit_loss`" if front_end == "FabricMonitor" else "`training_step`"  # what replays the loss
         self.audits: list[Audit] = []
         self._first: int | None = None  # the run's first window, audited, then every `every`-th
         self._objective: Objective | None = None
@@ -647,11 +678,13 @@ class Auditor:
         error, dtype = objective_error(module, self._recorded, self._objective, self._world)
         tolerance = self.tolerance_for(dtype, self._precision)
         objective = self._objective
-        count_error, count_failure = (
-            count_check(module, self._recorded, objective, f"optimizer step {window}", self._world)
+        count_error, count_failure, warnings = (
+            count_check(module, self._recorded, objective, f"optimizer step {window}", self._world, self._step)
             if objective.check_count
-            else (None, None)
+            else (None, None, [])
         )
+        for warning in warnings:
+            rank_zero_warn(warning)
         passed = (error is None or error <= tolerance) and count_failure is None
         audit = Audit(window, error, tolerance, passed, count_error)
         self.audits.append(audit)

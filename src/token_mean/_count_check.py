@@ -1,17 +1,20 @@
 """The count check: is the count what the loss divides by? (docs/counts.md)
 
 The strategies compute exactly the objective they are told, and the audit proves the applied gradient is its
-gradient; both take the count on trust. This check tests it. One micro-batch's valid labels are split into S and its
-complement S', each kept in turn (the other set to -100), and the loss is replayed without gradient. A loss that is
-the mean over the count c satisfies
+gradient; both take the count on trust. This check tests it on every real micro-batch of a window. A micro-batch is
+cut in two, S and its complement R, and the loss replayed without gradient on each. A loss that is the mean over the
+count c satisfies
 
-    c(S)·ℓ(S) + c(S')·ℓ(S') = c·ℓ        (a sum-reduced one: ℓ(S) + ℓ(S') = ℓ)
+    c(S)·ℓ(S) + c(R)·ℓ(R) = c·ℓ        (a sum-reduced one: ℓ(S) + ℓ(R) = ℓ)
 
-A shift the count does not know, a sum returned as a mean, class weights or a mask the model decides break it; a term
-that does not depend on the labels (a penalty, a router loss) or one per valid label (label smoothing, a z-loss)
-keeps it. A half the count finds empty adds nothing, as in training. Row counts (examples, sequences) split the rows:
-the first row, then the others. Cost: three forwards of one micro-batch per rank and one ``all_gather_object``, at a
-fit's first window (and at each audited window).
+The cut is one both the loss and the count see: a random share of the valid labels (the others set to -100), so that
+a shift the count does not know, a sum returned as a mean or a count of other items breaks the identity whatever
+position the mistake lies at; or, where the loss does not read those labels or the count counts rows, a random share
+of the rows. A cut whose halves the loss cannot tell apart, or that leaves a half the count finds empty and the
+identity holding, decides nothing: the next cut, or the next micro-batch, decides. The whole micro-batch is replayed
+too and compared with the loss it trained on: a step that draws randomness the replay cannot repeat is told apart
+from a wrong count. Cost: three forwards per real micro-batch and rank (two more where the labels cannot decide),
+without gradient, and one ``all_gather_object``.
 """
 
 from __future__ import annotations
@@ -19,7 +22,8 @@ from __future__ import annotations
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Literal
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -29,62 +33,204 @@ from token_mean import _counts
 from token_mean._counts import IGNORE_INDEX, read_count
 
 ROWS = ""
-"""The plan of a row count: split the rows, not the labels."""
+"""The cut of a row count: rows, not labels."""
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 3e-2}
 """The largest relative mismatch of a right count: the three losses sum the same per-item terms in other orders."""
+SHARE = 0.382
+"""The share of labels (rows) kept in S: far from 1/2 and 1/3, so that a few counted items the loss never sees are
+not cut in proportion to the rest by chance."""
+SEED = 0x5EED
+"""Seeds the cuts: the same on every run and rank, drawn from a generator of their own (the run's are untouched)."""
 
-Replay = Callable[[Any, int], "tuple[Tensor | None, Any]"]
-"""(batch, index in the window) → the replayed loss and the ``num_items`` reported with it (None if not), without
-gradient and leaving parameters, buffers and RNG streams as they were."""
-Result = tuple[float, float, int, str, tuple[str, ...]] | None
-"""One rank's check: (relative mismatch, tolerance, the micro-batch's index, what was split, the named counts and
-reductions that satisfy the identity); None: nothing checkable on this rank."""
+Replay = Callable[[Any, int], Any]
+"""(batch, index in the window) → the step's output (a loss, or a mapping), without gradient, leaving parameters,
+buffers and RNG streams as they were."""
+Term = tuple["str | None", Any, str]
+"""(name, count, reduction); the name None for an objective of one term."""
+Outcome = Literal["passed", "failed", "undecided", "random", "error"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One micro-batch of the checked window: its batch, whether it is a filler, and the step's output as it trained
+    (detached; None: replay the micro-batch twice instead)."""
+
+    batch: Any
+    filler: bool = False
+    trained: Any = None
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """One rank's check of one term. ``failed``: the identity broke at micro-batch ``index`` (``mismatch`` >
+    ``tolerance``), ``fixes`` the counts and reductions that satisfy it; ``random``: replaying the micro-batch gave
+    another loss than it trained on; ``error``: a replay raised (``what`` says so); ``undecided``: no cut decided."""
+
+    outcome: Outcome
+    index: int = -1
+    mismatch: float = 0.0
+    tolerance: float = 0.0
+    what: str = ""
+    fixes: tuple[Fix, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A count and reduction that satisfy the identity where the user's broke it (``term``: another term's count)."""
+
+    count: str
+    reduction: str
+    term: str | None = None
+
+
+@dataclass(frozen=True)
+class Cut:
+    """A micro-batch cut in two: the batch keeping S, the batch keeping R, and what S is."""
+
+    keep: Any
+    rest: Any
+    what: str
+
+
+@dataclass(frozen=True)
+class Judged:
+    decisive: bool
+    mismatch: float
+
+
+@dataclass(frozen=True)
+class Tried:
+    """A cut replayed: its key (:data:`ROWS` or the labels'), the three batches, their losses and reported counts."""
+
+    key: str
+    parts: tuple[Any, ...]
+    losses: list[float]
+    items: list[Any]
+    what: str
+
+
+class _ReplayFailed(Exception):
+    pass
+
+
+@dataclass
+class Replays:
+    """The replays of one rank's window, each run once and shared by the terms; ``matched``: every rank must run as
+    many forwards (they are collectives: FSDP2, tensor parallelism), so :meth:`pad` tops them up."""
+
+    replay: Replay
+    samples: Sequence[Sample]
+    matched: bool = False
+    runs: int = 0
+    drew: set[int] = field(default_factory=set)  # micro-batches whose replays drew from the global generators
+    _done: dict[tuple[Any, ...], Any] = field(default_factory=dict)
+    _cuts: dict[tuple[Any, ...], Cut | None] = field(default_factory=dict)
+
+    def output(self, index: int, variant: tuple[Any, ...], batch: Any) -> Any:
+        key = (index, *variant)
+        if key not in self._done:
+            self.runs += 1
+            try:
+                self._done[key] = self.replay(batch, index)
+            except Exception as error:  # the check ends in one outcome on every rank, never the run killed
+                self._done[key] = _ReplayFailed(
+                    f"replaying micro-batch {index} ({' '.join(map(str, variant))}) raised {type(error).__name__}:"
+                    f" {error}"
+                )
+        done = self._done[key]
+        if isinstance(done, _ReplayFailed):
+            raise done
+        return done
+
+    def cut(self, index: int, key: str) -> Cut | None:
+        if (index, key) not in self._cuts:
+            batch = self.samples[index].batch
+            self._cuts[index, key] = rows_cut(batch, index) if key == ROWS else labels_cut(batch, key, index)
+        return self._cuts[index, key]
+
+    def pad(self, forwards: int) -> None:
+        """Matched: run forwards until ``forwards`` ran (their results unused, their failures too)."""
+        if not self.matched or not self.samples:
+            return
+        while self.runs < forwards:
+            self.runs += 1
+            try:
+                self.replay(self.samples[0].batch, 0)
+            except Exception:  # its failure, if any, was recorded where the checked replay raised
+                continue
+
+
+def forwards_per_sample(terms: Sequence[Term]) -> int:
+    """The most forwards one micro-batch can take: the whole twice (once where the loss it trained on stands for the
+    second, which a rank cannot know of another), a labels cut per term, a rows cut."""
+    return 2 + 2 * len(terms) + 2
 
 
 def labels_key(count_fn: Any, batch: Any) -> str | None:
     """The batch key of the labels ``count_fn`` counts (:data:`ROWS` for a row count, or for labels that are not
-    class indices, whose -100 no loss ignores: regression targets, boolean masks), None for a count it cannot check:
-    a count of your own is checked when it names its labels in a ``labels_key`` attribute."""
-    key = getattr(count_fn, "labels_key", None)
-    key = key if isinstance(key, str) and key else None
-    shifted = count_fn is _counts.count_shifted_labels
-    if shifted and isinstance(batch, Mapping) and isinstance(batch.get("shift_labels"), Tensor):
-        key = "shift_labels"
-    elif shifted or count_fn is _counts.count_valid_labels or isinstance(count_fn, _counts.ClassWeightedCount):
-        key = "labels"
-    elif count_fn is _counts.count_examples or count_fn is _counts.count_sequences:
+    class indices, whose -100 no loss ignores: regression targets, boolean masks), None for a count that cannot be
+    checked (one per micro-batch). A count of your own counts ``labels`` unless it names another batch key in a
+    ``labels_key`` attribute."""
+    if count_fn is _counts.count_micro_batches:
+        return None
+    if count_fn is _counts.count_examples or count_fn is _counts.count_sequences:
         return ROWS
-    labels = batch.get(key) if key is not None and isinstance(batch, Mapping) else None
-    if isinstance(labels, Tensor) and (labels.is_floating_point() or labels.dtype == torch.bool):
+    named = getattr(count_fn, "labels_key", None)
+    key = named if isinstance(named, str) and named else "labels"
+    if count_fn is _counts.count_shifted_labels and isinstance(batch, Mapping):
+        key = "shift_labels" if isinstance(batch.get("shift_labels"), Tensor) else key
+    labels = batch.get(key) if isinstance(batch, Mapping) else None
+    if not isinstance(labels, Tensor) or labels.is_floating_point() or labels.dtype == torch.bool:
         return ROWS
     return key
 
 
-def halves(batch: Any, key: str) -> tuple[Any, Any, str] | None:
-    """The batch keeping S, the batch keeping S', and what S is; None if the batch has fewer than two valid labels
-    (rows). S is the valid labels of the first position that holds any (a shift never predicts the first), or the
-    first valid label alone where one position holds them all."""
-    if key == ROWS:
-        rows = _rows(batch)
-        if rows is None or rows < 2:
-            return None
-        return _sliced(batch, slice(0, 1), rows), _sliced(batch, slice(1, rows), rows), "its first row"
+def plan(count_fn: Any, batch: Any, batch_statistics: bool) -> list[str]:
+    """The cuts to try, in order: the labels the count counts, then rows (not where BatchNorm normalizes over them)."""
+    key = labels_key(count_fn, batch)
+    keys = [] if key is None else [key] if key == ROWS else [key, ROWS]
+    return [k for k in keys if not (k == ROWS and batch_statistics)]
+
+
+def _generator(index: int) -> torch.Generator:
+    return torch.Generator().manual_seed(SEED + index)
+
+
+def _share(n: int) -> int:
+    return min(n - 1, max(1, round(n * SHARE)))
+
+
+def labels_cut(batch: Any, key: str, index: int = 0) -> Cut | None:
+    """S: a random share of the valid ``batch[key]`` (-100 elsewhere), R: the other valid labels; None with fewer
+    than two valid labels."""
     labels = batch.get(key) if isinstance(batch, Mapping) else None
     if not isinstance(labels, Tensor) or labels.dim() == 0:
         return None
-    valid = labels != IGNORE_INDEX
-    if int(valid.sum()) < 2:  # after the window's last backward: the host read costs no overlap
+    positions = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)  # after the window: the host read is free
+    if positions.numel() < 2:
         return None
-    position = int(valid.reshape(-1, labels.shape[-1]).any(0).nonzero()[0])
-    kept = torch.zeros_like(valid)
-    kept[..., position] = valid[..., position]
-    what = f"the valid `{key}` at position {position} of the last dimension"
-    if bool(kept.sum() == valid.sum()):
-        kept = torch.zeros_like(valid).flatten()
-        kept[int(valid.flatten().nonzero()[0])] = True
-        kept, what = kept.view_as(valid), f"the first valid `{key}`"
-    keeping, rest = labels.masked_fill(~kept, IGNORE_INDEX), labels.masked_fill(kept, IGNORE_INDEX)
-    return _with(batch, key, keeping), _with(batch, key, rest), what
+    chosen = torch.randperm(positions.numel(), generator=_generator(index))[: _share(positions.numel())]
+    kept = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
+    kept[positions[chosen.to(positions.device)]] = True
+    kept = kept.view_as(labels)
+    valid = labels != IGNORE_INDEX
+    what = f"{int(chosen.numel())} of the {positions.numel()} valid `{key}` drawn at random"
+    return Cut(
+        _with(batch, key, labels.masked_fill(~kept, IGNORE_INDEX)),
+        _with(batch, key, labels.masked_fill(kept | ~valid, IGNORE_INDEX)),
+        what,
+    )
+
+
+def rows_cut(batch: Any, index: int = 0) -> Cut | None:
+    """S: a random share of the rows of every tensor as long as the batch's first, R: the other rows."""
+    rows = _rows(batch)
+    if rows is None or rows < 2:
+        return None
+    order = torch.randperm(rows, generator=_generator(index))
+    chosen, rest = order[: _share(rows)].sort().values, order[_share(rows) :].sort().values
+    what = f"{chosen.numel()} of its {rows} rows drawn at random"
+    return Cut(_rows_of(batch, chosen, rows), _rows_of(batch, rest, rows), what)
 
 
 def _with(batch: Any, key: str, labels: Tensor) -> Any:
@@ -94,135 +240,348 @@ def _with(batch: Any, key: str, labels: Tensor) -> Any:
 
 
 def _rows(batch: Any) -> int | None:
-    found: list[int] = []
-    apply_to_collection(batch, Tensor, lambda tensor: found.append(tensor.shape[0]) if tensor.dim() else None)
-    return found[0] if found else None
+    """The batch's rows: the leading dimension every tensor of it shares (None where they differ: sub-batches of
+    several loaders, whose rows a cut could not keep together)."""
+    found: set[int] = set()
+    apply_to_collection(batch, Tensor, lambda tensor: found.add(tensor.shape[0]) if tensor.dim() else None)
+    return found.pop() if len(found) == 1 else None
 
 
-def _sliced(batch: Any, rows: slice, length: int) -> Any:
-    return apply_to_collection(batch, Tensor, lambda t: t[rows] if t.dim() and t.shape[0] == length else t)
+def _rows_of(batch: Any, rows: Tensor, length: int) -> Any:
+    return apply_to_collection(
+        batch, Tensor, lambda t: t.index_select(0, rows.to(t.device)) if t.dim() and t.shape[0] == length else t
+    )
+
+
+def term_of(output: Any, name: str | None) -> tuple[Tensor | None, Any]:
+    """(the term's loss, the ``num_items`` reported with it) of a step's output."""
+    if isinstance(output, Tensor):
+        return (output, None) if name is None else (None, None)
+    if not isinstance(output, Mapping):
+        return None, None
+    items = output.get("num_items")
+    if name is None:
+        return output.get("loss"), items
+    return output.get(name), items.get(name) if isinstance(items, Mapping) else None
 
 
 def check(
-    recorded: Sequence[tuple[Any, bool]],
-    replay: Replay,
-    count_fn: Any,
-    reduction: str,
+    replays: Replays,
+    term: Term,
     num_items: bool,
-    matched: bool,
     batch_statistics: bool = False,
-) -> Result:
-    """This rank's check of the first of its ``recorded`` (batch, filler) micro-batches that can be split.
-    ``num_items``: a reported 'num_items' is the count (deferred); ``matched``: the forwards are collectives (FSDP2,
-    tensor parallelism), so a rank with nothing to check replays its first micro-batch three times all the same;
-    ``batch_statistics``: a layer normalizes over the batch (BatchNorm in training), so rows are not split."""
-    for index, (batch, filler) in enumerate(recorded):
-        key = None if filler else labels_key(count_fn, batch)
-        key = None if key == ROWS and batch_statistics else key
-        split = None if key is None else halves(batch, key)
-        if split is not None:
-            return _checked(index, batch, split, replay, count_fn, reduction, num_items, key == ROWS)
-    if matched and recorded:
-        for _ in range(3):
-            replay(recorded[0][0], 0)
-    return None
+    others: Sequence[Term] = (),
+) -> Verdict:
+    """This rank's verdict on ``term`` over its window's real micro-batches: the first that breaks the identity fails
+    it (naming the counts that satisfy it on every micro-batch); once every micro-batch was tried, it passed if one
+    decided. ``num_items``: a reported ``num_items`` is the count (deferred); ``others``: the other terms, whose
+    counts are named if they satisfy this term's loss."""
+    judging = _Judging(replays, term, num_items, batch_statistics)
+    passed = False
+    for index in range(len(replays.samples)):
+        try:
+            verdict = judging.sample(index)
+            if verdict is not None and verdict.outcome == "failed":
+                verdict = replace(verdict, fixes=judging.fixes(index, others))
+        except _ReplayFailed as failure:
+            return Verdict("error", index, what=str(failure))
+        if verdict is not None and verdict.outcome != "passed":
+            return verdict
+        passed |= verdict is not None
+    return Verdict("passed" if passed else "undecided")
 
 
-def _checked(
-    index: int,
-    batch: Any,
-    split: tuple[Any, Any, str],
-    replay: Replay,
-    count_fn: Any,
-    reduction: str,
-    num_items: bool,
-    rows: bool,
-) -> Result:
-    parts = (batch, split[0], split[1])
-    outputs = [replay(part, index) for part in parts]
-    losses = [math.nan if loss is None else float(loss.detach().double()) for loss, _ in outputs]
-    dtype = next((loss.dtype for loss, _ in outputs if loss is not None), torch.float32)
-    reported = [None if reported is None or not num_items else float(reported) for _, reported in outputs]
-    counts = [
-        value if value is not None else read_count(count_fn, part)[0]
-        for value, part in zip(reported, parts, strict=True)
-    ]
-    mismatch = _mismatch(counts, losses, reduction)
-    others = (
-        (_counts.count_examples, _counts.count_sequences)
-        if rows
-        else (_counts.count_valid_labels, _counts.count_shifted_labels)
-    )
-    satisfied = []
-    for other, other_reduction in [
-        (count_fn, "sum" if reduction == "mean" else "mean"),
-        *((other, reduction) for other in others if other is not count_fn),
-    ]:
-        other_counts = [read_count(other, part)[0] for part in parts]
-        if _mismatch(other_counts, losses, other_reduction) <= TOLERANCE.get(dtype, 2e-5):
-            satisfied.append(_fix(other, other_reduction, count_fn, reduction))
-    return mismatch, TOLERANCE.get(dtype, 2e-5), index, split[2], tuple(satisfied)
+@dataclass
+class _Judging:
+    """One term judged on one rank's micro-batches, through the replays they share with the other terms."""
+
+    replays: Replays
+    term: Term
+    num_items: bool
+    batch_statistics: bool
+
+    def cuts(self, index: int, count_fn: Any) -> list[str]:
+        sample = self.replays.samples[index]
+        return [] if sample.filler else plan(count_fn, sample.batch, self.batch_statistics)
+
+    def whole(self, index: int) -> tuple[Tensor | None, Any]:
+        return term_of(self.replays.output(index, ("whole",), self.replays.samples[index].batch), self.term[0])
+
+    def tolerance(self, index: int) -> float:
+        loss = self.whole(index)[0]
+        return TOLERANCE.get(loss.dtype if isinstance(loss, Tensor) else torch.float32, 2e-5)
+
+    def tried(self, index: int, key: str) -> Tried | None:
+        """The cut ``key`` of micro-batch ``index``, replayed (each half once, whatever the terms)."""
+        cut = self.replays.cut(index, key)
+        if cut is None:
+            return None
+        halves = [
+            term_of(self.replays.output(index, (key or "rows", half), part), self.term[0])
+            for half, part in (("S", cut.keep), ("R", cut.rest))
+        ]
+        whole = self.whole(index)
+        outputs = [whole, *halves]
+        parts = (self.replays.samples[index].batch, cut.keep, cut.rest)
+        return Tried(key, parts, [_float(loss) for loss, _ in outputs], [items for _, items in outputs], cut.what)
+
+    def judged(self, tried: Tried, count_fn: Any, reduction: str, tolerance: float) -> Judged:
+        own = self.num_items and count_fn is self.term[1]  # deferred: the step's reported count is its count
+        counts = [_count(count_fn, part, items, own) for part, items in zip(tried.parts, tried.items, strict=True)]
+        return judge(counts, tried.losses, reduction, tolerance)
+
+    def sample(self, index: int) -> Verdict | None:
+        """Micro-batch ``index``: failed, random, passed, or None (no cut decided)."""
+        _, count_fn, reduction = self.term
+        sample = self.replays.samples[index]
+        if not self.num_items and _count(count_fn, sample.batch, None, False) <= 0:
+            return None  # no item: its loss is 0/0, and nothing to cut
+        cuts = self.cuts(index, count_fn)
+        if not cuts or self.replays.cut(index, cuts[0]) is None:
+            return None  # too few labels (rows) to cut: the other micro-batches decide
+        loss, tolerance = self.whole(index)[0], self.tolerance(index)
+        again = sample.trained if sample.trained is not None else self.replays.output(index, ("again",), sample.batch)
+        reference = term_of(again, self.term[0])[0]
+        if not _same(loss, reference, tolerance):
+            what = "trained on" if sample.trained is not None else "gave the first time"
+            return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
+        for key in cuts:
+            tried = self.tried(index, key) if self._trusted(index, key) else None
+            judged = None if tried is None else self.judged(tried, count_fn, reduction, tolerance)
+            if tried is None or judged is None or not judged.decisive:
+                continue
+            outcome: Outcome = "passed" if judged.mismatch <= tolerance else "failed"
+            return Verdict(outcome, index, judged.mismatch, tolerance, tried.what)
+        return None
+
+    def _trusted(self, index: int, key: str) -> bool:
+        """A rows cut draws other random numbers than the whole (dropout's masks follow the batch's shape): not
+        where the micro-batch's replays draw from the global generators. A labels cut keeps every input."""
+        if key != ROWS:
+            return True
+        self.whole(index)  # replayed: the draws are known
+        return index not in self.replays.drew
+
+    def fixes(self, failed: int, others: Sequence[Term]) -> tuple[Fix, ...]:
+        """The counts and reductions that satisfy the identity on every cut that decides, first of micro-batch
+        ``failed`` (its rows cut replayed too: a mean of per-row means is a row count's loss), then of the others:
+        on the failure path only, within :func:`forwards_per_sample`."""
+        name, count_fn, reduction = self.term
+        other = "sum" if reduction == "mean" else "mean"
+        candidates: list[tuple[Any, str, Fix]] = [
+            *((c, reduction, Fix(c.__name__, reduction)) for c in _NAMED if c is not count_fn),
+            *((c, r, Fix(_name(c), r, n)) for n, c, r in others if n != name and c is not count_fn),
+            (count_fn, other, Fix(_name(count_fn), other)),
+        ]
+        order = [failed, *(i for i in range(len(self.replays.samples)) if i != failed)]
+        scored = {fix: self._satisfies(candidate, r, order) for candidate, r, fix in candidates}
+        best = max(scored.values(), default=0)
+        # a count that held on more cuts is named alone: a row count may hold where rows carry even counts
+        return tuple(fix for fix, score in scored.items() if score and score == best)
+
+    def _satisfies(self, count_fn: Any, reduction: str, order: Sequence[int]) -> int:
+        """How many cuts that decide, in ``order`` of the micro-batches the term's own count checks, hold the
+        identity with ``count_fn`` and ``reduction``; 0 if one breaks it (or none decides)."""
+        decided = 0
+        for index in order:
+            if not self.cuts(index, self.term[1]):
+                continue
+            tolerance = self.tolerance(index)
+            for key in self.cuts(index, count_fn):
+                tried = self.tried(index, key) if self._trusted(index, key) else None
+                judged = None if tried is None else self.judged(tried, count_fn, reduction, tolerance)
+                if judged is None or not judged.decisive:
+                    continue
+                if judged.mismatch > tolerance:
+                    return 0
+                decided += 1
+        return decided
 
 
-def _mismatch(counts: Sequence[float], losses: Sequence[float], reduction: str) -> float:
-    """|c(S)·ℓ(S) + c(S')·ℓ(S') − c·ℓ| relative to the terms (sum: without the counts); a half without items adds
-    nothing; NaN where a half the count says holds items has no finite loss (inf)."""
+def judge(counts: Sequence[float], losses: Sequence[float], reduction: str, tolerance: float) -> Judged:
+    """|c(S)·ℓ(S) + c(R)·ℓ(R) − c·ℓ| relative to the terms (sum: without the counts); a half without items adds
+    nothing. Not decisive where the loss does not tell the halves from the whole, or where a half the count finds
+    empty leaves the identity holding (it might hold because the loss never sees that half either)."""
+    whole, keep, rest = losses
+    if _close(keep, whole, tolerance) and _close(rest, whole, tolerance):
+        return Judged(False, 0.0)
     terms = [
         (count if reduction == "mean" else 1.0) * loss if count > 0 else 0.0
         for count, loss in zip(counts, losses, strict=True)
     ]
-    if not all(math.isfinite(term) for term in terms):
-        return math.inf
-    whole, first, second = terms
-    scale = abs(whole) + abs(first) + abs(second)
-    return abs(first + second - whole) / scale if scale > 0 else 0.0
+    if counts[0] <= 0:
+        return Judged(False, 0.0)
+    if not all(math.isfinite(t) for t in terms):
+        return Judged(True, math.inf)
+    scale = sum(abs(t) for t in terms)
+    mismatch = abs(terms[1] + terms[2] - terms[0]) / scale if scale > 0 else 0.0
+    empty_half = counts[1] <= 0 or counts[2] <= 0
+    return Judged(not (empty_half and mismatch <= tolerance), mismatch)
 
 
-def _fix(count_fn: Any, reduction: str, user_count: Any, user_reduction: str) -> str:
-    if count_fn is user_count and reduction != user_reduction:
-        returns = "a sum" if reduction == "sum" else "a mean over the count"
-        return f"`loss_reduction='{reduction}'` (`training_step` returns {returns})"
-    return f"`count_fn=token_mean.{count_fn.__name__}`" + _WHY.get(count_fn.__name__, "")
+_NAMED = (
+    _counts.count_valid_labels,
+    _counts.count_shifted_labels,
+    _counts.count_sequences,
+    _counts.count_examples,
+)
+
+
+def _count(count_fn: Any, batch: Any, reported: Any, num_items: bool) -> float:
+    if num_items and reported is not None:
+        return float(reported)
+    return read_count(count_fn, batch)[0]
+
+
+def _float(loss: Any) -> float:
+    return math.nan if not isinstance(loss, Tensor) else float(loss.detach().double())
+
+
+def _value(loss: Any) -> str:
+    return "no loss" if not isinstance(loss, Tensor) else f"{float(loss.detach().double()):.6g}"
+
+
+def _close(a: float, b: float, tolerance: float) -> bool:
+    if not (math.isfinite(a) and math.isfinite(b)):
+        return math.isnan(a) == math.isnan(b) and (math.isnan(a) or a == b)
+    return abs(a - b) <= tolerance * max(abs(a), abs(b))
+
+
+def _same(loss: Any, reference: Any, tolerance: float) -> bool:
+    if not isinstance(loss, Tensor) or not isinstance(reference, Tensor):
+        return isinstance(loss, Tensor) == isinstance(reference, Tensor)
+    return _close(_float(loss), _float(reference), tolerance)
+
+
+def _name(count_fn: Any) -> str:
+    return getattr(count_fn, "__name__", None) or type(count_fn).__name__
+
+
+def describe(count_fn: Any, name: str | None = None) -> str:
+    where = "" if name is None else f"[{name!r}]"
+    if count_fn is _counts.count_valid_labels and name is None:
+        return "`count_fn=count_valid_labels` (the default)"
+    return f"`count_fn{where}={_name(count_fn)}`"
 
 
 _WHY = {
-    "count_shifted_labels": " (the loss never predicts a row's first label: its labels are shifted, in"
-    " `training_step` or inside the model)",
+    "count_shifted_labels": " (the loss never predicts a row's first label: its labels are shifted, in the step or"
+    " inside the model)",
     "count_valid_labels": " (the loss scores every valid label as it lies: labels aligned with the logits)",
     "count_examples": " (a mean over the micro-batch's rows)",
-    "count_sequences": " (a mean over sequences with a valid label)",
+    "count_sequences": " (a mean over sequences with a valid label: a mean of per-row means, say)",
 }
 
 
-def describe(count_fn: Any) -> str:
-    if count_fn is _counts.count_valid_labels:
-        return "`count_fn=count_valid_labels` (the default)"
-    return f"`count_fn={getattr(count_fn, '__name__', None) or type(count_fn).__name__}`"
+def _fix_text(fix: Fix, term: Term, step: str) -> str:
+    name, count_fn, reduction = term
+    key = "" if name is None else f"[{name!r}]"
+    if fix.count == _name(count_fn) and fix.reduction != reduction and fix.term is None:
+        returns = "a sum" if fix.reduction == "sum" else "a mean over the count"
+        return f"`loss_reduction{key}='{fix.reduction}'` ({step} returns {returns})"
+    if fix.term is not None:
+        return f"`count_fn{key}={fix.count}`, the count of term {fix.term!r}"
+    return f"`count_fn{key}=token_mean.{fix.count}`" + _WHY.get(fix.count, "")
 
 
-def failure(results: Sequence[Result], count_fn: Any, reduction: str, where: str) -> str | None:
-    """The error every rank raises for every rank's ``results`` (None: every checked rank passed)."""
-    failed = [(rank, result) for rank, result in enumerate(results) if result is not None and result[0] > result[1]]
-    if not failed:
-        return None
-    rank, (mismatch, tolerance, index, split, satisfied) = failed[0]
+def _swapped(terms: Sequence[Term], verdicts: Sequence[Verdict | None]) -> str | None:
+    """Two failed terms each satisfied by the other's count: their counts are swapped."""
+    for (a, count_a, _), verdict_a in zip(terms, verdicts, strict=True):
+        for (b, count_b, _), verdict_b in zip(terms, verdicts, strict=True):
+            if a is None or b is None or verdict_a is None or verdict_b is None or a >= b:
+                continue
+            if any(f.term == b for f in verdict_a.fixes) and any(f.term == a for f in verdict_b.fixes):
+                return (
+                    f"the counts of {a!r} and {b!r} are swapped: `count_fn={{{a!r}: {_name(count_b)}, {b!r}:"
+                    f" {_name(count_a)}, ...}}` satisfies both"
+                )
+    return None
+
+
+def decide(
+    gathered: Sequence[Sequence[Verdict]], terms: Sequence[Term], where: str, step: str
+) -> tuple[float | None, str | None, list[str]]:
+    """Every rank's verdicts (one per term, in ``terms``' order) → (the largest mismatch measured, None if nothing
+    decided; the error every rank raises, or None; the warnings, alike on every rank)."""
+    mismatches = [v.mismatch for verdicts in gathered for v in verdicts if v.outcome in ("passed", "failed")]
+    largest = max(mismatches, default=None)
+    failed = [_first(gathered, t, "failed") for t in range(len(terms))]
+    swap = _swapped(terms, [None if f is None else f[1] for f in failed])
+    for term, found in zip(terms, failed, strict=True):
+        if found is not None:
+            return largest, _failure(term, *found, where, step, swap), []
+    warnings = []
+    for outcome in ("random", "error"):
+        for t, term in enumerate(terms):
+            found = _first(gathered, t, outcome)
+            if found is not None:
+                warnings.append(_undecided(term, *found, where, step))
+                break
+        if warnings:
+            return largest, None, warnings
+    for t, (name, count_fn, _) in enumerate(terms):
+        if all(verdicts[t].outcome == "undecided" for verdicts in gathered) and labels_key(count_fn, {}) is not None:
+            warnings.append(
+                f"token_mean: the count check could not check {describe(count_fn, name)} at {where}: no real"
+                " micro-batch on any rank held two valid labels of class indices under the key the count counts"
+                " (`labels`, or the count's `labels_key` attribute) nor two rows whose halves the loss tells apart."
+                " Nothing says the count is the loss's own denominator. To make it checkable, name the labels the"
+                " loss reads in the count's `labels_key` attribute (`my_count.labels_key = 'targets'`); pass"
+                " `check_count=False` to silence this."
+            )
+    return largest, None, warnings
+
+
+def _first(gathered: Sequence[Sequence[Verdict]], term: int, outcome: str) -> tuple[int, Verdict] | None:
+    return next(((rank, v[term]) for rank, v in enumerate(gathered) if v[term].outcome == outcome), None)
+
+
+def _failure(term: Term, rank: int, verdict: Verdict, where: str, step: str, swap: str | None) -> str:
+    name, count_fn, reduction = term
+    at = where if name is None else f"{where}, term {name!r}"
     figure = (
         "a part the count says holds items has no finite loss"
-        if math.isinf(mismatch)
-        else f"relative mismatch {mismatch:.1e} > {tolerance:.0e}"
+        if math.isinf(verdict.mismatch)
+        else f"relative mismatch {verdict.mismatch:.1e} > {verdict.tolerance:.0e}"
     )
     text = (
-        f"token_mean: the count check failed at {where}: the loss is not a {reduction} over {describe(count_fn)}"
-        f" ({figure}; rank {rank}, micro-batch {index} of the window), so every update would follow another"
+        f"token_mean: the count check failed at {at}: the loss is not a {reduction} over {describe(count_fn, name)}"
+        f" ({figure}; rank {rank}, micro-batch {verdict.index} of the window), so every update would follow another"
         " objective than the one written down, silently."
-        f"\n  How: {split} kept, then the rest, and the loss replayed on each without gradient; with the loss's own"
-        " denominator c, c(S)·loss(S) + c(rest)·loss(rest) = c·loss (a sum: loss(S) + loss(rest) = loss)."
+        f"\n  How: {verdict.what} kept, then the rest, and {step} replayed on each without gradient; with the"
+        " loss's own denominator c, c(S)·loss(S) + c(rest)·loss(rest) = c·loss (a sum: loss(S) + loss(rest) = loss)."
     )
-    if satisfied:
-        return text + "\n  Fix: " + "; or ".join(satisfied) + " satisfies it."
+    if swap is not None:
+        return text + f"\n  Fix: {swap}."
+    if verdict.fixes:
+        return text + "\n  Fix: " + "; or ".join(_fix_text(f, term, step) for f in verdict.fixes) + " satisfies it."
     return text + (
-        "\n  Fix: none of the named counts and reductions satisfies it. A loss that weighs classes"
+        "\n  Fix: none of the named counts and reductions satisfies it. A loss that shifts its labels by another"
+        " offset (a multi-token-prediction head: `labels[..., 2:]`) takes a count of exactly the labels it scores,"
+        " `lambda batch: (batch['labels'][..., 2:] != -100).sum()`; a loss that weighs classes"
         " (`F.cross_entropy(weight=w)`) takes `count_fn=token_mean.ClassWeightedCount(w)`; a loss over a mask the"
-        " model decides takes `mode='deferred'` with `{'loss': ..., 'num_items': ...}` returned by `training_step`"
-        " (or the loop); if the count is right and the loss does not split this way, pass `check_count=False`."
+        f" model decides takes `mode='deferred'` with `{{'loss': ..., 'num_items': ...}}` returned by {step};"
+        " if the count is right and the loss does not split this way, pass `check_count=False`."
+    )
+
+
+def _undecided(term: Term, rank: int, verdict: Verdict, where: str, step: str) -> str:
+    name, count_fn, _ = term
+    at = where if name is None else f"{where}, term {name!r}"
+    if verdict.outcome == "random":
+        cause = (
+            f"replaying micro-batch {verdict.index} on rank {rank} did not give the loss it trained on"
+            f" ({verdict.what}): {step} draws randomness the replay cannot repeat (only torch's global generators"
+            " are replayed; Python's `random`, numpy and a `torch.Generator` of its own are not)"
+        )
+        fix = "draw that randomness from torch's global generator"
+    else:
+        cause = (
+            f"{verdict.what} on rank {rank}; {step} must accept a micro-batch with any share of its labels set"
+            " to -100 (or any share of its rows)"
+        )
+        fix = "let the step accept such a micro-batch"
+    return (
+        f"token_mean: the count check could not decide at {at}: {cause}. {describe(count_fn, name)} was not checked:"
+        f" to check it, {fix}; pass `check_count=False` to silence this."
     )

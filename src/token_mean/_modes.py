@@ -365,7 +365,8 @@ class _TermsWindow(_LookaheadWindow):
             global_count = self._n[t]
             loss = None if global_count == 0 else reduced.term(t, TERM_LOSS_SUM) / global_count
             local_count = _fsum(term_counts[t] for term_counts in self._term_counts)
-            terms[name] = WindowStats(global_count, local_count, None, self.length, loss, global_count == 0, self.mode)
+            ranks = reduced.rank_counts(t)
+            terms[name] = WindowStats(global_count, local_count, ranks, self.length, loss, global_count == 0, self.mode)
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
         stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)

@@ -210,32 +210,39 @@ def _trace_row(step: int, stats: WindowStats, norms: tuple[Tensor | None, Tensor
 
 
 def window_metrics(stats: WindowStats, elapsed: float, naive_loss: float | None) -> dict[str, float]:
-    """The metrics a monitor logs for one window (unprefixed)."""
+    """The metrics a monitor logs for one window (unprefixed). With several terms, whose counts count unlike items
+    (tokens and examples), the counts and the per-rank figures are each term's, ``{name}/...``: none adds them up."""
+    metrics = {"window_length": float(stats.window_length)}
+    if stats.loss is not None:
+        metrics["loss"] = stats.loss
+    if stats.aux_loss is not None:  # an 'aux_loss' was returned: its mean over real micro-batches
+        metrics["aux_loss"] = stats.aux_loss
+    if naive_loss is not None:
+        metrics["naive_loss"] = naive_loss
+    if stats.audit_error is not None:
+        metrics["audit_error"] = stats.audit_error
+    if not stats.terms:
+        return {**metrics, **_count_metrics(stats, elapsed, "")}
+    for name, term in stats.terms.items():
+        metrics.update(_count_metrics(term, elapsed, f"{name}/"))
+        if term.loss is not None:
+            metrics[f"{name}/loss"] = term.loss
+    return metrics
+
+
+def _count_metrics(stats: WindowStats, elapsed: float, prefix: str) -> dict[str, float]:
     counts = stats.rank_counts or (stats.global_count,)
     metrics = {
         "global_count": stats.global_count,
         "rank_count_min": min(counts),
         "rank_count_max": max(counts),
         "rank_count_mean": stats.global_count / len(counts),
-        "window_length": float(stats.window_length),
         "imbalance": stats.imbalance or 0.0,
         "naive_weight_error": stats.naive_weight_error or 0.0,
     }
-    if stats.loss is not None:
-        metrics["loss"] = stats.loss
-    if stats.aux_loss is not None:  # an 'aux_loss' was returned: its mean over real micro-batches
-        metrics["aux_loss"] = stats.aux_loss
     if elapsed > 0 and math.isfinite(elapsed):
         metrics["items_per_sec"] = stats.global_count / elapsed
-    if naive_loss is not None:
-        metrics["naive_loss"] = naive_loss
-    if stats.audit_error is not None:
-        metrics["audit_error"] = stats.audit_error
-    for name, term in (stats.terms or {}).items():  # an objective of several terms: each term's N_t and mean loss
-        metrics[f"{name}/global_count"] = term.global_count
-        if term.loss is not None:
-            metrics[f"{name}/loss"] = term.loss
-    return metrics
+    return {f"{prefix}{key}": value for key, value in metrics.items()}
 
 
 def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:

@@ -115,7 +115,8 @@ class Channel:
         self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
         self._zero: Tensor | None = None
-        self._size = RECORD_SIZE + (world.size if rank_counts else 0) + TERM_SLOTS * terms
+        # the per-rank block: each rank's count, or with several terms each rank's count of every term
+        self._size = RECORD_SIZE + (world.size * max(terms, 1) if rank_counts else 0) + TERM_SLOTS * terms
         self._zeros = array.array("d", bytes(8 * self._size))
 
     def term_slot(self, term: int, what: int) -> int:
@@ -132,7 +133,7 @@ class Channel:
     @property
     def count_slots(self) -> Slots:
         """Where a rank's COUNT goes: its slot, and its own slot of the per-rank block where the channel has one."""
-        return (Slot.COUNT, RECORD_SIZE + self.world.rank) if self.rank_counts else (Slot.COUNT,)
+        return (Slot.COUNT, RECORD_SIZE + self.world.rank) if self.rank_counts and not self.terms else (Slot.COUNT,)
 
     def record(
         self,
@@ -155,7 +156,10 @@ class Channel:
         for mark in marks:
             values[RANKS + _MARK_INDEX[mark]] = 1.0
             values[BITS + _MARK_INDEX[mark]] = bit
-        if self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
+        if self.rank_counts and self.terms:  # this rank's count of each term, in its own slots of the per-rank block
+            for term in range(self.terms):
+                values[RECORD_SIZE + world.rank * self.terms + term] = values[self.term_slot(term, TERM_COUNT)]
+        elif self.rank_counts:  # this rank's COUNT again, in its own slot of the per-rank block
             values[RECORD_SIZE + world.rank] = values[Slot.COUNT]
         record = _torch.to_device(values, torch.float64, world.device)
         index, source = self._device_part(device, flags, device_flags)
@@ -263,9 +267,13 @@ class Reduced:
     def __getitem__(self, slot: Slot | int) -> float:
         return self.values[slot]
 
-    def rank_counts(self) -> tuple[float, ...] | None:
+    def rank_counts(self, term: int | None = None) -> tuple[float, ...] | None:
+        """Every rank's count (None without the per-rank block); with several terms, of term ``term`` alone (None
+        for the whole objective: its terms count unlike items)."""
         extra = self.values[RECORD_SIZE : len(self.values) - TERM_SLOTS * self.terms]
-        return tuple(extra) if extra else None
+        if not extra or (self.terms and term is None):
+            return None
+        return tuple(extra) if term is None else tuple(extra[term :: self.terms])
 
     def term(self, term: int, what: int) -> float:
         """Term ``term``'s value ``what``, summed over ranks (:meth:`Channel.term_slot`)."""

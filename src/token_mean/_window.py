@@ -66,7 +66,12 @@ class StepOutput(NamedTuple):
         mapping's term losses; the loop gets them back with their sum as its ``"loss"``."""
         if terms:
             mapping = output if isinstance(output, Mapping) else {}
-            present = [value for name in terms if isinstance(value := mapping.get(name), Tensor)]
+            # a term without items is 0/0 = NaN: the loop gets the micro-batch's finite share, that term adding 0
+            present = [
+                torch.nan_to_num(value, nan=0.0, posinf=math.inf, neginf=-math.inf)
+                for name in terms
+                if isinstance(value := mapping.get(name), Tensor)
+            ]
             total = sum(present[1:], present[0]) if present else stand_in()
             return StepOutput(None, None, mapping.get("num_items"), total, mapping), {**mapping, "loss": total}
         if isinstance(output, Tensor):

@@ -183,14 +183,7 @@ class DenominatorMonitor(Monitoring, Callback):
         stats = audited(stats, self._auditor.window_end(step)) if stats is not None else None
         if stats is None:
             return
-        count = stats.global_count  # an integral count as an int: the bar pads floats to "13263.000"
-        _lightning.show_on_progress_bar(
-            trainer,
-            {
-                BAR_LOSS: math.nan if stats.loss is None else stats.loss,
-                BAR_COUNT: int(count) if count.is_integer() else count,
-            },
-        )
+        _lightning.show_on_progress_bar(trainer, progress_bar(stats))
         device = trainer.strategy.root_device
         metrics, log_now = self._window(step, stats, elapsed, gradient, pl_module, device, naive_loss)
         interval = self.logging_interval
@@ -274,6 +267,21 @@ def _unseen(pl_module: LightningModule, strategy: TokenMeanStrategy | None, trai
         " (unfrozen after wrapping), callbacks' `on_before_optimizer_step` that ran before the monitor's"
     )
     return "; ".join(present)
+
+
+def progress_bar(stats: WindowStats) -> dict[str, float]:
+    """The loss and N on the bar; with several terms each term's N (its own unit), never their sum.
+
+    Example:
+        >>> term = WindowStats(16.0, 8.0, None, 2, 0.5, False, "lookahead")
+        >>> progress_bar(WindowStats(189.0, 90.0, None, 2, 2.5, False, "lookahead", terms={"cls": term}))
+        {'exact_loss': 2.5, 'N_cls': 16}
+    """
+    counts = {f"{BAR_COUNT}_{name}": term.global_count for name, term in (stats.terms or {}).items()}
+    counts = counts or {BAR_COUNT: stats.global_count}
+    # an integral count as an int: the bar pads floats to "13263.000"
+    shown = {name: int(count) if count.is_integer() else count for name, count in counts.items()}
+    return {BAR_LOSS: math.nan if stats.loss is None else stats.loss, **shown}
 
 
 __all__ = ["BAR_COUNT", "BAR_LOSS", "DenominatorMonitor"]

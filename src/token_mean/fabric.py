@@ -10,6 +10,7 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from lightning.fabric.utilities import rank_zero_warn
@@ -17,13 +18,15 @@ from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from token_mean import _lightning, _torch
+from token_mean._audit import Recorded, capture_rng, check_first_window, trained_losses
 from token_mean._checkpoint import Progress
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._layout import Layout, check_reduction, layout, stand_in_loss
+from token_mean._layout import Layout, World, check_reduction, layout, stand_in_loss
 from token_mean._modes import make_mode
+from token_mean._monitor import replayed
 from token_mean._reader import Reader
-from token_mean._settings import CountFn, LossReduction, Mode, checked_settings, positive_int
+from token_mean._settings import CountFn, LossReduction, Mode, Settings, checked_settings, positive_int
 from token_mean._window import MicroBatch, StepOutput
 from token_mean.fabric_monitor import FabricMonitor
 from token_mean.results import WindowStats
@@ -32,29 +35,31 @@ from token_mean.results import WindowStats
 class TokenMeanAccumulator:
     r"""Accumulate K micro-batches per rank into one exact token-mean gradient, in a Lightning Fabric loop.
 
-    Each window of K micro-batches per rank (a pass's last may be short) is normalized by its own N as by the Trainer
-    strategies, at one collective per window; a rank whose loader runs out repeats its last batch at weight zero.
+    Each window of K micro-batches per rank (a pass's last may be short) is normalized by its own N, at one collective
+    per window; a rank whose loader runs out repeats its last batch at weight zero.
 
     Args:
         fabric, model: the launched ``Fabric``, and what its ``setup`` (or ``setup_module``) returned.
         accumulate: K, the micro-batches per rank and window.
-        count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`.
+        count_fn, loss_reduction, mode, pad_uneven_ranks, check_count: as for the Trainer strategies.
         monitor: a :class:`FabricMonitor` that logs every window and writes or compares a trace.
+        loss_fn: ``fn(model, batch) -> loss``, the loss the loop passes to :meth:`backward`: the count check
+            replays it at the first window (without it, nor a monitor's ``audit_loss``, a warning says it cannot).
 
     Raises:
-        ValueError: for a bad setting, a model ``fabric.setup`` did not return, or another strategy than one device,
-            ``DDPStrategy`` and ``ModelParallelStrategy`` (FSDP1 and DeepSpeed are refused).
+        ValueError: a bad setting, a model not from ``fabric.setup``, a strategy but one device, DDP and FSDP2.
 
     Example:
         >>> import torch
         >>> from lightning.fabric import Fabric
         >>> fabric = Fabric(accelerator="cpu", devices=1)
         >>> model = fabric.setup(torch.nn.Linear(4, 3))
-        >>> accumulator = TokenMeanAccumulator(fabric, model, accumulate=2)
+        >>> def loss_fn(model, batch):  # the count check replays it at the first window
+        ...     return torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], ignore_index=-100)
+        >>> accumulator = TokenMeanAccumulator(fabric, model, accumulate=2, loss_fn=loss_fn)
         >>> batches = [{"x": torch.randn(2, 4), "labels": torch.tensor([0, -100])} for _ in range(3)]
         >>> for batch in accumulator.batches(batches):
-        ...     loss = torch.nn.functional.cross_entropy(model(batch["x"]), batch["labels"], ignore_index=-100)
-        ...     accumulator.backward(loss)
+        ...     accumulator.backward(loss_fn(model, batch))
         ...     if not accumulator.accumulating:
         ...         stats = accumulator.finish()
         >>> stats.global_count, stats.window_length  # the short last window: one micro-batch, one valid label
@@ -71,8 +76,10 @@ class TokenMeanAccumulator:
         mode: Mode = "lookahead",
         pad_uneven_ranks: bool = True,
         monitor: FabricMonitor | None = None,
+        check_count: bool = True,
+        loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks)
+        settings = checked_settings(count_fn, loss_reduction, mode, pad_uneven_ranks, check_count)
         self._accumulate: int = positive_int(accumulate, "accumulate", "micro-batches per window")  # type: ignore[assignment]
         self._layout = _fabric_layout(fabric, model, self._accumulate)
         self._fabric, self._model = fabric, model
@@ -90,6 +97,7 @@ class TokenMeanAccumulator:
         self._iterating: str | None = None  # "batches" or "windows": the method that made the pass in progress
         self._last_window: WindowStats | None = None
         self._foreign: int | None = None  # trainable parameters the loss reaches outside the model (checked once)
+        self._count_check = _FirstWindowCheck.of(settings, loss_fn, monitor)  # None after the first window
 
     @property
     def accumulating(self) -> bool:
@@ -100,8 +108,6 @@ class TokenMeanAccumulator:
     def is_filler_batch(self) -> bool:
         """True from the yield of a zero-weight repeat of an exhausted rank to its :meth:`backward`."""
         return self._micro is not None and self._micro.is_filler
-
-    is_filler = is_filler_batch  # the name of the first release
 
     @property
     def last_window(self) -> WindowStats | None:
@@ -115,11 +121,13 @@ class TokenMeanAccumulator:
 
     def batches(self, iterable: Iterable[Any]) -> Iterator[Any]:
         """One pass over ``iterable`` (a Fabric loader or any iterable of batches); every rank yields as many."""
-        return self._start(iterable, "batches")
+        _one_pass_at_a_time(self._iterating)
+        return self._pass(iterable, "batches")
 
     def windows(self, iterable: Iterable[Any]) -> Iterator[BatchWindow]:
         """The pass of :meth:`batches`, one :class:`BatchWindow` at a time (torchtitan's loop shape)."""
-        return _windows(self, self._start(iterable, "windows"))
+        _one_pass_at_a_time(self._iterating)
+        return _windows(self, self._pass(iterable, "windows"))
 
     def backward(
         self,
@@ -138,6 +146,8 @@ class TokenMeanAccumulator:
         output = _step_output(loss, aux_loss, num_items, self._passes.mode.settings.terms, self._model)
         if self._foreign is None:  # once: in deferred mode the loss must reach the accumulator's model's alone
             self._foreign = 0 if self._passes.mode.reads_ahead else _foreign_parameters(output.backprop, self._model)
+        if self._count_check is not None:
+            self._count_check.trained(loss)  # what the micro-batch trained on: the check's replay must give it
         scaled = micro.loss_to_backprop(output, self._batch)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         micro.backward_done()
@@ -147,10 +157,10 @@ class TokenMeanAccumulator:
         rank if any had a problem). The gradient is then the token mean; do not step for a ``skipped`` window."""
         micro = self._in_flight("`accumulator.finish()`")
         _check_finish(micro)
-        epoch = self._passes.current
-        if epoch is None:
-            raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
-        stats = epoch.end_window()
+        stats = _current(self._passes).end_window()
+        if (check := self._count_check) is not None:  # the first window: before its update, on every rank
+            self._count_check = None
+            check.run(self._model, self._layout.world, micro.window.where)
         self._progress.windows += 1
         if self._monitor is not None:
             stats = self._monitor.finished(self._model, stats)
@@ -182,10 +192,6 @@ class TokenMeanAccumulator:
             raise RuntimeError(f"{what} is only defined for a batch that `accumulator.batches(...)` yielded.")
         return self._micro
 
-    def _start(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
-        _one_pass_at_a_time(self._iterating)
-        return self._pass(iterable, name)
-
     def _pass(self, iterable: Iterable[Any], name: str) -> Generator[Any, None, None]:
         _one_pass_at_a_time(self._iterating)  # two passes made before either started (`zip`)
         self._iterating, completed = name, False
@@ -202,6 +208,8 @@ class TokenMeanAccumulator:
                 self._batch = move(item[0])
                 if self._monitor is not None:
                     self._monitor.micro_batch(self._model, self._batch, self._micro.filler)
+                if self._count_check is not None:
+                    self._count_check.micro_batch(self._batch, self._micro.filler, position)
                 yield self._batch
         finally:
             self._iterating = None
@@ -223,6 +231,57 @@ class TokenMeanAccumulator:
         if self._monitor is not None:
             self._monitor.start(self._fabric)
         return epoch, move, start
+
+
+class _FirstWindowCheck:
+    """The count check of the accumulator's first window: its micro-batches as the loop takes them, the losses they
+    trained on, then the check before its update (``finish``)."""
+
+    def __init__(self, settings: Settings, loss_fn: Callable[[Any, Any], Any]) -> None:
+        self._settings, self._loss_fn = settings, loss_fn
+        self._recorded: list[Recorded] = []
+
+    @classmethod
+    def of(
+        cls, settings: Settings, loss_fn: Callable[[Any, Any], Any] | None, monitor: FabricMonitor | None
+    ) -> _FirstWindowCheck | None:
+        """The check, or None with ``check_count=False``; without a loss to replay, None and a warning."""
+        if loss_fn is not None and not callable(loss_fn):
+            raise TypeError(f"`loss_fn` must be a callable fn(model, batch) -> loss, got {type(loss_fn).__name__}.")
+        if not settings.check_count:
+            return None
+        loss_fn = loss_fn or (monitor.audit_loss if monitor is not None else None)
+        if loss_fn is None:
+            rank_zero_warn(
+                "token_mean: `TokenMeanAccumulator` cannot check the count: it replays the loss at the first window,"
+                " and was given no `loss_fn`. Pass `loss_fn=fn(model, batch) -> loss`, the loss the loop passes to"
+                " `accumulator.backward` (docs/counts.md), or `check_count=False` to silence this."
+            )
+            return None
+        return cls(settings, loss_fn)
+
+    def micro_batch(self, batch: Any, filler: bool, position: int) -> None:
+        self._recorded.append(Recorded(batch, capture_rng(), filler, position))
+
+    def trained(self, loss: Any) -> None:
+        names = [name for name, _, _ in self._settings.terms]
+        if self._recorded:
+            self._recorded[-1] = replace(self._recorded[-1], trained=trained_losses(loss, names))
+
+    def run(self, model: Any, world: World, where: str) -> None:
+        """The check, on every rank (a ``DenominatorError`` on every rank if the count is wrong)."""
+        modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)
+        if modules is None or strategy is None:
+            raise RuntimeError("token_mean: internal error: the count check lost the model `fabric.setup` returned.")
+        loss = replayed(self._loss_fn)
+        context = strategy.precision.forward_context
+        check_first_window(modules[1], self._recorded, self._settings, world, where, context, loss, "the loss function")
+
+
+def _current(passes: Passes) -> Epoch:
+    if passes.current is None:
+        raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
+    return passes.current
 
 
 def _check_backward_once(micro: MicroBatch) -> None:

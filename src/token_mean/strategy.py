@@ -17,7 +17,6 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities import rank_zero_warn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch import Tensor
 from torch.nn import Module
@@ -26,9 +25,8 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import Objective, Recorded, capture_rng, count_check
+from token_mean._audit import Recorded, capture_rng, check_first_window, trained_losses
 from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
-from token_mean._count_check import labels_key
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, World, layout, stand_in_loss
@@ -37,7 +35,6 @@ from token_mean._settings import (
     CountFn,
     LossReduction,
     Mode,
-    Settings,
     Term,
     check_passed_through,
     checked_settings,
@@ -169,9 +166,11 @@ class TokenMeanStrategy(ParallelStrategy):
         micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
         _check_lightning_steps(trainer, micro)
         batch = args[0] if args else kwargs.get("batch")
-        if self._checking is not None:  # the fit's first window: its batches and RNG states, for the count check
-            self._checking.append(Recorded(batch, capture_rng(), micro.is_filler, position))
-        output, returned = StepOutput.of(super().training_step(*args, **kwargs), self._stand_in_loss, self._names)
+        rng = capture_rng() if self._checking is not None else None
+        raw = super().training_step(*args, **kwargs)
+        if self._checking is not None and rng is not None:  # the fit's first window, for the count check
+            self._checking.append(Recorded(batch, rng, micro.is_filler, position, trained_losses(raw, self._names)))
+        output, returned = StepOutput.of(raw, self._stand_in_loss, self._names)
         micro.loss_to_backprop(output, batch)
         return returned  # type: ignore[no-any-return]
 
@@ -260,7 +259,7 @@ def _count_check(strategy: TokenMeanStrategy, recorded: list[Recorded], where: s
     passes = strategy._passes
     world = passes.mode.channel.world if passes is not None else World.single()
     module, context = strategy._module(), strategy.precision_plugin.train_step_context
-    check_first_window(module, recorded, strategy._settings, world, where, context)
+    check_first_window(module, recorded, strategy._settings, world, where, context, _training_step)
 
 
 def _check_lightning_steps(trainer: pl.Trainer, micro: MicroBatch) -> None:
@@ -317,25 +316,6 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
                 f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
                 " which would count the window's items again. Use a first-order optimizer."
             )
-
-
-def check_first_window(
-    module: Module, recorded: list[Recorded], settings: Settings, world: World, where: str, context: Callable[[], Any]
-) -> None:
-    """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
-    deferred = settings.mode == "deferred"  # a reported 'num_items' is the count
-    objective = Objective(
-        _training_step, settings.count_fn, settings.loss_reduction, False, context, settings.terms, deferred
-    )
-    mismatch, error = count_check(module, recorded, objective, where, world)
-    if error is not None:
-        raise DenominatorError(error)
-    counts = [count for _, count, _ in settings.terms] or [settings.count_fn]
-    if mismatch is None and any(labels_key(count, recorded[0].batch) is not None for count in counts):
-        rank_zero_warn(
-            f"token_mean: the count check could not run at {where}: no micro-batch on any rank held"
-            " two valid labels (rows). Nothing says the count is the loss's own denominator."
-        )
 
 
 def _training_step(module: Module, micro_batch: Recorded) -> Any:
