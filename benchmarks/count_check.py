@@ -2,9 +2,9 @@
 run, in units of a steady window (what the check adds once per fit).
 
 Both runs train the same model on the same data under ``TokenMeanDDPStrategy`` (lookahead), 2 forked gloo CPU
-processes, ``check_count=True`` against ``check_count=False``, fits alternating off/on. The check replays one
-micro-batch per rank three times without gradient (tests/test_count_check.py counts the forwards and the one
-``all_gather_object``); per audited window the audit runs the same check, which ``benchmarks/audit.py`` measures
+processes, ``check_count=True`` against ``check_count=False``, fits alternating off/on. The check replays every
+real micro-batch of the first window three times without gradient (tests/test_count_check.py counts the forwards
+and the one ``all_gather_object``); per audited window the audit runs the same check, which ``benchmarks/audit.py`` measures
 as part of an audited window. Workloads as there: ``tiny`` (the suite's TokenNet) and ``tinylm`` (the example's
 TinyLM on stdlib-corpus batches).
 

@@ -104,6 +104,10 @@ def make_fabric(args: argparse.Namespace) -> Fabric:
     )
 
 
+def micro_batch_loss(model: Any, batch: Batch) -> Tensor:
+    return masked_lm_loss(model(batch["input_ids"]), batch["labels"])
+
+
 @torch.no_grad()
 def validate(fabric: Fabric, model: Any, val_loader: Any, batches: int, val_loss: TokenMeanLoss) -> float:
     """The exact token mean over every held-out pair (each on exactly one rank)."""
@@ -151,14 +155,16 @@ def main(args: argparse.Namespace) -> None:
     # count_fn: the default, count_valid_labels (labels != -100), right here as stdlib_corpus shifts the labels itself
     # and masked_lm_loss scores logits[t] against labels[t]; a loss of logits[..., :-1, :] against labels[..., 1:]
     # (LitGPT's) needs count_fn=token_mean.count_shifted_labels.
-    accumulator = TokenMeanAccumulator(fabric, model, accumulate=args.accumulate, mode=args.mode, monitor=monitor)
+    # loss_fn: the loss the loop passes to accumulator.backward; the count check replays it at the first window
+    accumulator = TokenMeanAccumulator(fabric, model, accumulate=args.accumulate, mode=args.mode, monitor=monitor,
+                                       loss_fn=micro_batch_loss)
     val_loss = TokenMeanLoss(process_group=data_parallel_group).to(fabric.device)
 
     step, last_val = 0, float("nan")
     while step < args.max_steps:
         for batch in accumulator.batches(train_loader):  # one pass; every rank yields as many batches
             with fabric.no_backward_sync(model, enabled=accumulator.accumulating):
-                loss = masked_lm_loss(model(batch["input_ids"]), batch["labels"])  # this micro-batch's mean
+                loss = micro_batch_loss(model, batch)  # this micro-batch's mean over its valid labels
                 accumulator.backward(loss)  # instead of fabric.backward(loss / K)
             if accumulator.accumulating:
                 continue
