@@ -251,17 +251,19 @@ def place(sync: dict[str, Any]) -> str:
     return "after the window's optimizer step began (the step, the loop, the next batch)"
 
 
-def per_window(record: dict[str, Any], first: int, origin: str = "token_mean") -> dict[str, Any]:
-    """``origin``'s syncs of the windows from ``first`` on (inside each and after it, until the next one opens), per
-    window, by place and by ``where``; ``count_checks``, with their syncs, apart."""
+def per_window(record: dict[str, Any], first: int, origin: str | None = "token_mean") -> dict[str, Any]:
+    """``origin``'s syncs (None: everyone's) of the windows from ``first`` on (inside each and after it, until the
+    next one opens), per window, by place and by ``where``; the count check's apart, in ``count_checks``."""
     windows = len(record["window_lengths"]) - first
     mine = [
-        s for s in record["syncs"] if s["origin"] == origin and s["window"] >= first and s["stage"] != "count_check"
+        s
+        for s in record["syncs"]
+        if (origin is None or s["origin"] == origin) and s["window"] >= first and s["stage"] != "count_check"
     ]
     by_place = collections.Counter(place(s) for s in mine)
     by_where = collections.Counter(f"{s['where']} ({place(s)})" for s in mine)
     return {
-        "origin": origin, "windows": windows,
+        "origin": origin or "all", "windows": windows,
         "per_window": len(mine) / windows if windows > 0 else None,
         "per_window_by_place": {k: v / windows for k, v in sorted(by_place.items())} if windows > 0 else {},
         "per_window_by_where": {k: v / windows for k, v in sorted(by_where.items())} if windows > 0 else {},
