@@ -217,8 +217,10 @@ def assert_the_count_check_reads_once_at_the_first_windows_end(run: Run, what: s
         replays = [replay["in_count_check"] for replay in rank["replays"]]
         assert replays == [True] * REPLAYS, f"{where}: replays outside the count check: {rank['replays']}"
         seen = [s for s in rank["syncs"] if s["stage"] == "count_check"]
-        assert check["syncs"] == len(seen) > 0, f"{where}: the watch saw no host read of the count check"
-        assert all(s["origin"] == "token_mean" and (s["window"], s["steps"]) == (0, 0) for s in seen), describe(seen)
+        assert check["syncs"] == len(seen), f"{where}: {check['syncs']} syncs counted, {len(seen)} filed"
+        assert all((s["window"], s["steps"]) == (0, 0) for s in seen), describe(seen)
+        # its own reads (the labels' split, the replayed losses: token_mean/_count_check.py) are seen there
+        assert any(s["origin"] == "token_mean" for s in seen), f"{where}: no host read of the count check seen"
 
 
 def assert_the_watch_sees_host_reads(run: Run) -> None:
