@@ -221,6 +221,8 @@ def assert_the_count_check_reads_once_at_the_first_windows_end(run: Run, what: s
         assert all((s["window"], s["steps"]) == (0, 0) for s in seen), describe(seen)
         # its own reads (the labels' split, the replayed losses: token_mean/_count_check.py) are seen there
         assert any(s["origin"] == "token_mean" for s in seen), f"{where}: no host read of the count check seen"
+        later = [s for s in rank["syncs"] if s["stage"] == "inside" and "_count_check.py" in s["stack"]]
+        assert not later, f"{where}: the count check's code read inside a window:\n{describe(later)}"
 
 
 def assert_the_watch_sees_host_reads(run: Run) -> None:
