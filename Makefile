@@ -47,7 +47,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/count_check.py
 
 # The GPU check (issue 44): the GPU lane (`pytest -m gpu tests/test_gpu.py`) and benchmarks/gpu_step.py, from the
-# source tree with no .venv (GPU_PYTHON: an interpreter with a CUDA build of torch, lightning and pytest), about 6 min
+# source tree with no .venv (GPU_PYTHON: an interpreter with a CUDA build of torch, lightning and pytest), ~5.5 min
 # on one H200 -> benchmarks/results/gpu_step.{json,md}, logs in runs/gpu/ (and $$OUT where set). See the script.
 GPU_PYTHON ?= python3
 gpu:

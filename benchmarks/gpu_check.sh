@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
 # The whole GPU check of issue 44 in one command, from the source tree: the GPU lane, then the GPU benchmark.
 #
-#   bash benchmarks/gpu_check.sh                          # python3 from PATH: about 6 min on one H200
+#   bash benchmarks/gpu_check.sh                          # python3 from PATH: about 5.5 min on one H200
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh  # another interpreter (CUDA torch, lightning, pytest)
 #   make gpu                                              # the same (make gpu GPU_PYTHON=... for the interpreter)
 #
 # Nothing is installed: PYTHONPATH=src:tests:benchmarks. Stages, each under a wall-clock limit so that a hang cannot
 # eat the machine's time (timeout kills the stage's whole process group, its fits included):
 #   1. the GPU lane, `pytest -m gpu tests/test_gpu.py` (LANE_TIMEOUT, 180 s; about 2 min on one GPU);
-#   2. benchmarks/gpu_step.py (BENCH_TIMEOUT, 300 s; it starts no repetition past BENCH_BUDGET, 225 s, once 7 are
+#   2. benchmarks/gpu_step.py (BENCH_TIMEOUT, 270 s; it starts no repetition past BENCH_BUDGET, 195 s, once 7 are
 #      done, and writes its results after every repetition), whatever the lane's outcome.
 # Writes the logs under LOGS (runs/gpu): gpu_check.txt (versions, nvidia-smi, each stage's status and time),
 # gpu_lane.log, gpu_lane.xml, gpu_step.log, and the benchmark's gpu_step.{json,md} (hardware, versions, date,
@@ -22,7 +22,7 @@ cd "$(dirname "$0")/.."
 
 PYTHON=${PYTHON:-python3}
 LANE_TIMEOUT=${LANE_TIMEOUT:-180}
-BENCH_TIMEOUT=${BENCH_TIMEOUT:-300}
+BENCH_TIMEOUT=${BENCH_TIMEOUT:-270}
 BENCH_BUDGET=${BENCH_BUDGET:-$((BENCH_TIMEOUT - 75))}  # the last repetition (~30 s) and the report fit in the rest
 LOGS=${LOGS:-runs/gpu}
 RESULTS=benchmarks/results

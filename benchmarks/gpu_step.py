@@ -677,10 +677,10 @@ def main() -> None:
     parser.add_argument("--micro-batch-sizes", type=int, nargs="+", default=[8, 32],
                         help="sequences per micro-batch, one regime each (8: host-bound, 32: device-bound)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed optimizer steps per fit")
-    parser.add_argument("--steps", type=int, default=16, help="timed optimizer steps per fit")
+    parser.add_argument("--steps", type=int, default=12, help="timed optimizer steps per fit")
     parser.add_argument("--repeats", type=int, default=15, help="at most this many repetitions")
     parser.add_argument("--min-repeats", type=int, default=7, help="at least this many, whatever the budget")
-    parser.add_argument("--budget", type=float, default=210.0,
+    parser.add_argument("--budget", type=float, default=195.0,
                         help="seconds: no new repetition once it would end past this (after --min-repeats)")
     parser.add_argument("--watch-steps", type=int, default=4, help="steady steps of the sync watch's fits")
     args = parser.parse_args()
