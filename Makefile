@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast stress lint bench clean
+.PHONY: demo test test-fast stress lint bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/count_check.py
+
+# The GPU check (issue 44): the GPU lane (`pytest -m gpu tests/test_gpu.py`) and benchmarks/gpu_step.py, from the
+# source tree with no .venv (GPU_PYTHON: an interpreter with a CUDA build of torch, lightning and pytest), ~5.5 min
+# on one H200 -> benchmarks/results/gpu_step.{json,md}, logs in runs/gpu/ (and $$OUT where set). See the script.
+GPU_PYTHON ?= python3
+gpu:
+	PYTHON=$(GPU_PYTHON) bash benchmarks/gpu_check.sh
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache .mypy_cache .ruff_cache

@@ -61,8 +61,9 @@ def environment(configuration: dict[str, Any]) -> dict[str, Any]:
             cwd=ROOT, capture_output=True, text=True,
         ).stdout
         commit += "+dirty" if dirty.strip() else ""
-    except (OSError, subprocess.CalledProcessError):
-        commit = "unknown"
+    except (OSError, subprocess.CalledProcessError):  # a copy of the tree without .git (a GPU machine's)
+        given = os.environ.get("TOKEN_MEAN_COMMIT")
+        commit = f"{given} (TOKEN_MEAN_COMMIT; no git repository here)" if given else "unknown"
     return {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "cpu": cpu,

@@ -204,24 +204,42 @@ def test_quick_runs_never_write_the_recorded_results() -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_gpu_step_quick() -> None:
-    """The GPU benchmark's CPU smoke run (tiny model, 2 gloo processes), with its default paths: a temporary folder."""
+    """The GPU benchmark's CPU smoke run (tiny model, 2 gloo processes, both regimes, 2 repetitions, the sync watch
+    rehearsed), with its default paths: a temporary folder, written after each repetition, complete at the end."""
     before = {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()}
     completed = run_bounded([sys.executable, str(BENCHMARKS / "gpu_step.py"), "--quick"])
     assert completed.returncode == 0, completed.stderr[-3000:]
     wrote = [line for line in completed.stdout.splitlines() if line.startswith("wrote ")]
     assert len(wrote) == 1 and str(RESULTS) not in wrote[0], wrote
     assert {path: path.stat().st_mtime_ns for path in RESULTS.iterdir()} == before
+    partial = [line for line in completed.stdout.splitlines() if line.startswith("repetition 1 done")]
     _, json_path, _, markdown_path, *_ = wrote[0].split()
+    assert len(partial) == 1 and partial[0].endswith(json_path), (partial, json_path)
     assert Path(markdown_path).read_text().count("|") > 10, "no markdown table written"
     payload: dict[str, Any] = json.loads(Path(json_path).read_text())
     assert_environment(payload, "gpu_step")
     assert payload["environment"]["gpu"]["available"] is False
-    assert payload["environment"]["configuration"]["quick"] is True
-    assert [row["method"] for row in payload["rows"]] == ["plain", "lookahead", "deferred"]
-    for key in ("ratio_lookahead", "ratio_deferred"):
-        assert isinstance(payload[key], float) and payload[key] > 0, (key, payload[key])
+    configuration = payload["environment"]["configuration"]
+    assert configuration["quick"] is True and configuration["repeats_done"] == 2 and payload["complete"] is True
+    methods, regimes = ("plain", "lookahead", "deferred"), ("host-bound", "device-bound")
+    assert [(row["regime"], row["method"]) for row in payload["rows"]] == [(r, m) for r in regimes for m in methods]
+    for row in payload["rows"]:
+        assert row["repeats"] == 2 and len(row["ratios"]) == 2, row
+        low, high = row["ratio_interval"]
+        assert low <= row["ratio_median"] <= high, row
+    for key in (f"ratio_{method}_{regime}" for method in methods[1:] for regime in regimes):
+        assert isinstance(payload[key], float) and payload[key] > 0, (key, payload.get(key))
     counts = [fit["global_counts"] for fit in payload["fits"] if fit["method"] != "plain"]
     assert all(len(set(steps)) > 1 for steps in counts), "every step held as many target tokens: not ragged"
+    # the rehearsed sync watch: one read of the package per window, after its last backward, and the count check's
+    reads = {watched["method"]: watched["package"] for watched in payload["host_reads"]}
+    assert reads["plain"]["per_window"] == 0 and reads["plain"]["count_checks"] == []
+    for method in methods[1:]:
+        assert reads[method]["per_window_by_place"] == {
+            "after the window's last backward, before its optimizer step": 1.0
+        }, reads[method]
+        [check] = reads[method]["count_checks"]
+        assert (check["window"], check["steps"], check["replays"]) == (0, 0, 3) and check["syncs"] > 0, check
 
 
 @pytest.mark.slow

@@ -8,18 +8,27 @@
 - Fingerprints: ``global_norm`` of CUDA tensors, the fused ``torch._foreach_norm`` path, is within 1e-6 of the float64
   norm for float32 and bfloat16.
 - No synchronizing CUDA operation of the package between a window's first forward and its last backward, in either
-  mode, under DDP and FSDP2 (``torch.cuda.set_sync_debug_mode``), with a control that reads on the host and is seen.
+  mode, under DDP and FSDP2 (``torch.cuda.set_sync_debug_mode``, ``tests/_sync.py``), with a control that reads on
+  the host and is seen; with the count check on (the default), every window holds its K micro-batches.
+- The count check's host reads: once per fit, in the strategy's ``optimizer_step`` after the first window's last
+  backward and before the first optimizer step (three replays of ``training_step`` without gradient, seen reading on
+  the host there), never inside a window.
+
+The same fits' bookkeeping is rehearsed on the CPU (``--cpu``: gloo, the watch warning where a CUDA tensor would
+synchronize), in the ``slow`` lane, so the assertions here run before they ever meet a GPU.
 
 The fits run under Lightning's subprocess launcher (``tests/scripts/gpu_token_mean.py``, one process per GPU: at most
 2 for DDP, all of them for FSDP2); on one GPU, a one-process job still runs NCCL, DDP's reducer and the comm hook.
 Each fit runs once and serves every test that reads it. CUDA is never initialized in the pytest process itself
 (``tests/_gpu.py``), so the CPU tests can still fork their workers in the same session.
 
-    pytest -m gpu tests/test_gpu.py       # on a machine with CUDA (about 1-2 min on one GPU)
+    pytest -m gpu tests/test_gpu.py       # on a machine with CUDA (about 2 min on one GPU)
+    bash benchmarks/gpu_check.sh          # the lane and benchmarks/gpu_step.py in one command (make gpu)
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import json
 import subprocess
 import sys
@@ -35,9 +44,11 @@ from torch import Tensor
 
 SCRIPT = Path(__file__).parent / "scripts" / "gpu_token_mean.py"
 sys.path.insert(0, str(SCRIPT.parent))
-from gpu_token_mean import ACCUMULATE, METHODS, STEADY, data  # noqa: E402 (the script's directory, just added)
+from gpu_token_mean import ACCUMULATE, BATCHES, METHODS, STEADY, data  # noqa: E402 (the script's directory, just added)
 
 LAUNCH_TIMEOUT = 240  # seconds per fit: process start, CUDA and NCCL initialization dominate a 12-batch fit
+WINDOWS = BATCHES // ACCUMULATE
+REPLAYS = 3  # the count check's forwards without gradient: the micro-batch, then each half of its labels
 
 
 def devices_for(strategy: str) -> int:
@@ -54,11 +65,20 @@ class Run:
 
 
 class Runs:
-    """Each fit once, launched when a test first asks for it; a failed launch fails every test that reads it."""
+    """Each fit once, launched when a test first asks for it; a failed launch fails every test that reads it.
+    ``cpu``: the rehearsal (``gpu_token_mean.py --cpu``), one CPU process per fit."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, cpu: bool = False) -> None:
         self.root = root
+        self.cpu = cpu
         self._runs: dict[tuple[str, str, bool], Run | str] = {}
+
+    def launch_together(self, keys: list[tuple[str, str, bool]], processes: int) -> None:
+        """Launch the fits of ``keys`` at once, ``processes`` at a time (the CPU rehearsal's are a few seconds each,
+        mostly imports)."""
+        with concurrent.futures.ThreadPoolExecutor(processes) as pool:
+            for key, run in zip(keys, pool.map(lambda key: self._launch(*key), keys), strict=True):
+                self._runs[key] = run
 
     def get(self, strategy: str, method: str, reads: bool = False) -> Run:
         key = (strategy, method, reads)
@@ -70,10 +90,10 @@ class Runs:
         return run
 
     def _launch(self, strategy: str, method: str, reads: bool) -> Run | str:
-        devices = devices_for(strategy)
+        devices = 1 if self.cpu else devices_for(strategy)
         out = self.root / f"{strategy}-{method}{'-reads' if reads else ''}"
         command = [sys.executable, str(SCRIPT), str(out), "--strategy", strategy, "--method", method,
-                   "--devices", str(devices), *(["--reads"] if reads else [])]
+                   "--devices", str(devices), *(["--reads"] if reads else []), *(["--cpu"] if self.cpu else [])]
         try:
             completed = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired as error:
@@ -92,6 +112,13 @@ class Runs:
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
     return Runs(tmp_path_factory.mktemp("gpu-runs"))
+
+
+@pytest.fixture(scope="module")
+def cpu_runs(tmp_path_factory: pytest.TempPathFactory) -> Runs:
+    runs = Runs(tmp_path_factory.mktemp("gpu-rehearsal-runs"), cpu=True)
+    runs.launch_together([("ddp", method, False) for method in METHODS] + [("ddp", "plain", True)], processes=2)
+    return runs
 
 
 def assert_matches_reference(run: Run, method: str, what: str) -> None:
@@ -147,16 +174,65 @@ def test_fsdp2_on_nccl_matches_the_reference(runs: Runs, method: str) -> None:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# no host sync inside a window
+# no host sync inside a window; the count check's, once per fit
 # ---------------------------------------------------------------------------------------------------------------
 
 
 def describe(syncs: list[dict[str, Any]]) -> str:
-    return "\n".join(f"window {s['window']} ({s['phase']}): {s['where']}\n{s['stack']}" for s in syncs[:6])
+    return "\n".join(
+        f"{s['stage']}, window {s['window']} ({s['phase'] or 'steps begun ' + str(s['steps'])}): {s['where']}\n"
+        f"{s['stack']}"
+        for s in syncs[:6]
+    )
 
 
 def step_syncs(rank: dict[str, Any], window: int) -> list[dict[str, Any]]:
-    return [s for s in rank["syncs"] if s["window"] == window and s["phase"] == "step"]
+    return [s for s in rank["syncs"] if s["stage"] == "inside" and s["window"] == window and s["phase"] == "step"]
+
+
+def assert_no_sync_inside_a_window(run: Run, plain: Run, what: str) -> None:
+    """Every window holds its K micro-batches (the count check's replays are not among them); none of the package's
+    syncs falls inside a window; in the steady windows the strategy's hooks sync no more than plain's."""
+    for mine, theirs in zip(run.ranks, plain.ranks, strict=True):
+        where = f"{what}, rank {mine['rank']}"
+        assert mine["window_lengths"] == [ACCUMULATE] * WINDOWS, f"{where}: micro-batches per window"
+        ours = [s for s in mine["syncs"] if s["stage"] == "inside" and s["origin"] == "token_mean"]
+        assert not ours, f"{where}: {len(ours)} syncs issued by token_mean inside windows:\n{describe(ours)}"
+        for window in range(STEADY, WINDOWS):
+            extra = step_syncs(mine, window)
+            assert len(extra) <= len(step_syncs(theirs, window)), f"{where}:\n{describe(extra)}"
+
+
+def assert_the_count_check_reads_once_at_the_first_windows_end(run: Run, what: str) -> None:
+    """One count check per fit, run by the strategy's ``optimizer_step`` after the first window's last backward (the
+    closure's) and before the first optimizer step: its three replays without gradient and its host reads (the
+    labels' split, the replayed losses) all fall there, none inside a window."""
+    for rank in run.ranks:
+        where = f"{what}, rank {rank['rank']}"
+        checks = rank["count_checks"]
+        assert len(checks) == 1, f"{where}: the count check ran {len(checks)} times in one fit: {checks}"
+        check = checks[0]
+        assert (check["window"], check["steps"]) == (0, 0), f"{where}: not after window 0 before step 0: {check}"
+        assert check["replays"] == REPLAYS, f"{where}: {check['replays']} replays in the count check"
+        replays = [replay["in_count_check"] for replay in rank["replays"]]
+        assert replays == [True] * REPLAYS, f"{where}: replays outside the count check: {rank['replays']}"
+        seen = [s for s in rank["syncs"] if s["stage"] == "count_check"]
+        assert check["syncs"] == len(seen), f"{where}: {check['syncs']} syncs counted, {len(seen)} filed"
+        assert all((s["window"], s["steps"]) == (0, 0) for s in seen), describe(seen)
+        # its own reads (the labels' split, the replayed losses: token_mean/_count_check.py) are seen there
+        assert any(s["origin"] == "token_mean" for s in seen), f"{where}: no host read of the count check seen"
+        later = [s for s in rank["syncs"] if s["stage"] == "inside" and "_count_check.py" in s["stack"]]
+        assert not later, f"{where}: the count check's code read inside a window:\n{describe(later)}"
+
+
+def assert_the_watch_sees_host_reads(run: Run) -> None:
+    """In every micro-batch of every window: the loss's read in ``training_step`` and its gradient's in a backward
+    hook, attributed to their caller."""
+    for rank in run.ranks:
+        for window, length in enumerate(rank["window_lengths"]):
+            seen = step_syncs(rank, window)
+            assert len(seen) >= 2 * length, f"rank {rank['rank']}, window {window}: {len(seen)} syncs seen"
+            assert any(s["where"].startswith("gpu_token_mean.py") for s in seen), describe(seen)
 
 
 @requires_cuda()
@@ -165,18 +241,20 @@ def step_syncs(rank: dict[str, Any], window: int) -> list[dict[str, Any]]:
 @pytest.mark.parametrize("mode", MODES)
 def test_no_sync_inside_a_window(runs: Runs, strategy: str, mode: str) -> None:
     """No synchronizing CUDA operation issued by the package between a window's first forward and its last
-    backward, in any window; and in the steady windows, none in the strategy's ``training_step`` and ``backward``
-    beyond what the plain strategy's own run has there (none expected: Lightning's own per-batch read, before each
-    batch, is between them)."""
-    run, plain = runs.get(strategy, mode), runs.get(strategy, "plain")
-    for mine, theirs in zip(run.ranks, plain.ranks, strict=True):
-        where = f"{mode} under {strategy}, rank {mine['rank']}"
-        assert len(mine["window_lengths"]) == 4 and sum(mine["window_lengths"]) == 12, mine["window_lengths"]
-        ours = [s for s in mine["syncs"] if s["origin"] == "token_mean"]
-        assert not ours, f"{where}: {len(ours)} syncs issued by token_mean inside windows:\n{describe(ours)}"
-        for window in range(STEADY, len(mine["window_lengths"])):
-            extra = step_syncs(mine, window)
-            assert len(extra) <= len(step_syncs(theirs, window)), f"{where}:\n{describe(extra)}"
+    backward, in any window, with the count check on; and in the steady windows, none in the strategy's
+    ``training_step`` and ``backward`` beyond what the plain strategy's own run has there (none expected:
+    Lightning's own per-batch read, before each batch, is between them)."""
+    assert_no_sync_inside_a_window(runs.get(strategy, mode), runs.get(strategy, "plain"), f"{mode} under {strategy}")
+
+
+@requires_cuda()
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("strategy", ["ddp", "fsdp2"])
+@pytest.mark.parametrize("mode", MODES)
+def test_the_count_check_reads_once_after_the_first_window(runs: Runs, strategy: str, mode: str) -> None:
+    """The count check on a GPU: its host reads happen once per fit, in ``TokenMeanStrategy.optimizer_step`` after
+    the first window's last backward and before the first optimizer step, and never inside a later window."""
+    assert_the_count_check_reads_once_at_the_first_windows_end(runs.get(strategy, mode), f"{mode} under {strategy}")
 
 
 @requires_cuda()
@@ -184,12 +262,23 @@ def test_no_sync_inside_a_window(runs: Runs, strategy: str, mode: str) -> None:
 def test_sync_watch_sees_host_reads(runs: Runs) -> None:
     """The control: a ``training_step`` that reads its loss and a backward hook that reads its gradient are seen in
     every micro-batch, attributed to their caller, so the zeros above come from a watch that sees."""
-    run = runs.get("ddp", "plain", reads=True)
-    for rank in run.ranks:
-        for window, length in enumerate(rank["window_lengths"]):
-            seen = step_syncs(rank, window)
-            assert len(seen) >= 2 * length, f"rank {rank['rank']}, window {window}: {len(seen)} syncs seen"
-            assert any(s["where"].startswith("gpu_token_mean.py") for s in seen), describe(seen)
+    assert_the_watch_sees_host_reads(runs.get("ddp", "plain", reads=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", MODES)
+def test_the_lane_rehearsed_on_the_cpu(cpu_runs: Runs, mode: str) -> None:
+    """The lane's bookkeeping on the CPU, where the watch warns at every read a CUDA tensor would sync at: windows
+    of K micro-batches with the count check on, its reads once after the first window, none inside one."""
+    run = cpu_runs.get("ddp", mode)
+    assert_no_sync_inside_a_window(run, cpu_runs.get("ddp", "plain"), f"{mode} under DDP on the CPU")
+    assert_the_count_check_reads_once_at_the_first_windows_end(run, f"{mode} under DDP on the CPU")
+    assert all(check == [] for check in (r["count_checks"] for r in cpu_runs.get("ddp", "plain").ranks))
+
+
+@pytest.mark.slow
+def test_the_watchs_control_rehearsed_on_the_cpu(cpu_runs: Runs) -> None:
+    assert_the_watch_sees_host_reads(cpu_runs.get("ddp", "plain", reads=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------
