@@ -48,7 +48,18 @@ from gpu_token_mean import ACCUMULATE, BATCHES, METHODS, STEADY, data  # noqa: E
 
 LAUNCH_TIMEOUT = 240  # seconds per fit: process start, CUDA and NCCL initialization dominate a 12-batch fit
 WINDOWS = BATCHES // ACCUMULATE
-REPLAYS = 3  # the count check's forwards without gradient: the micro-batch, then each half of its labels
+
+
+def count_check_replays(strategy: str, rank: int, devices: int) -> int:
+    """The count check's forwards without gradient on ``rank``: under DDP the micro-batch and each half of its
+    labels, for every micro-batch of the first window with two valid labels; under FSDP2 every rank runs as many,
+    the most any micro-batch can take (``_count_check.forwards_per_sample``)."""
+    from token_mean._count_check import forwards_per_sample
+
+    if strategy == "fsdp2":
+        return ACCUMULATE * forwards_per_sample([(None, None, "mean")])
+    window = data(devices)[rank][:ACCUMULATE]
+    return 3 * sum(int((batch["labels"] != -100).sum()) >= 2 for batch in window)
 
 
 def devices_for(strategy: str) -> int:
@@ -203,19 +214,20 @@ def assert_no_sync_inside_a_window(run: Run, plain: Run, what: str) -> None:
             assert len(extra) <= len(step_syncs(theirs, window)), f"{where}:\n{describe(extra)}"
 
 
-def assert_the_count_check_reads_once_at_the_first_windows_end(run: Run, what: str) -> None:
+def assert_the_count_check_reads_once_at_the_first_windows_end(run: Run, what: str, strategy: str = "ddp") -> None:
     """One count check per fit, run by the strategy's ``optimizer_step`` after the first window's last backward (the
-    closure's) and before the first optimizer step: its three replays without gradient and its host reads (the
-    labels' split, the replayed losses) all fall there, none inside a window."""
+    closure's) and before the first optimizer step: its replays without gradient and its host reads (the labels'
+    cuts, the replayed losses) all fall there, none inside a window."""
     for rank in run.ranks:
         where = f"{what}, rank {rank['rank']}"
+        replays_expected = count_check_replays(strategy, rank["rank"], run.devices)
         checks = rank["count_checks"]
         assert len(checks) == 1, f"{where}: the count check ran {len(checks)} times in one fit: {checks}"
         check = checks[0]
         assert (check["window"], check["steps"]) == (0, 0), f"{where}: not after window 0 before step 0: {check}"
-        assert check["replays"] == REPLAYS, f"{where}: {check['replays']} replays in the count check"
+        assert check["replays"] == replays_expected, f"{where}: {check['replays']} replays in the count check"
         replays = [replay["in_count_check"] for replay in rank["replays"]]
-        assert replays == [True] * REPLAYS, f"{where}: replays outside the count check: {rank['replays']}"
+        assert replays == [True] * replays_expected, f"{where}: replays outside the count check: {rank['replays']}"
         seen = [s for s in rank["syncs"] if s["stage"] == "count_check"]
         assert check["syncs"] == len(seen), f"{where}: {check['syncs']} syncs counted, {len(seen)} filed"
         assert all((s["window"], s["steps"]) == (0, 0) for s in seen), describe(seen)
@@ -254,7 +266,9 @@ def test_no_sync_inside_a_window(runs: Runs, strategy: str, mode: str) -> None:
 def test_the_count_check_reads_once_after_the_first_window(runs: Runs, strategy: str, mode: str) -> None:
     """The count check on a GPU: its host reads happen once per fit, in ``TokenMeanStrategy.optimizer_step`` after
     the first window's last backward and before the first optimizer step, and never inside a later window."""
-    assert_the_count_check_reads_once_at_the_first_windows_end(runs.get(strategy, mode), f"{mode} under {strategy}")
+    assert_the_count_check_reads_once_at_the_first_windows_end(
+        runs.get(strategy, mode), f"{mode} under {strategy}", strategy
+    )
 
 
 @requires_cuda()
