@@ -4,9 +4,9 @@ run, in units of a steady window (what the check adds once per fit).
 Both runs train the same model on the same data under ``TokenMeanDDPStrategy`` (lookahead), 2 forked gloo CPU
 processes, ``check_count=True`` against ``check_count=False``, fits alternating off/on. The check replays every
 real micro-batch of the first window three times without gradient (tests/test_count_check.py counts the forwards
-and the one ``all_gather_object``); per audited window the audit runs the same check, which ``benchmarks/audit.py`` measures
-as part of an audited window. Workloads as there: ``tiny`` (the suite's TokenNet) and ``tinylm`` (the example's
-TinyLM on stdlib-corpus batches).
+and the one ``all_gather_object``); per audited window the audit runs the same check, which
+``benchmarks/audit.py`` measures as part of an audited window. Workloads as there: ``tiny`` (the suite's
+TokenNet) and ``tinylm`` (the example's TinyLM on stdlib-corpus batches).
 
     .venv/bin/python benchmarks/count_check.py            # ~2 min on 2 cores -> benchmarks/results/count_check.*
     .venv/bin/python benchmarks/count_check.py --quick    # < 40 s (temp folder)
@@ -84,8 +84,8 @@ def main() -> None:
         _common.environment_markdown(env),
         f"{repeats} interleaved off/on pairs of {STEPS}-step fits, K = {ACCUMULATE}. The check's cost is the first"
         " window's wall time on rank 0 with the check minus without, in seconds and in units of the fit's median"
-        " steady window (windows 2 on). It is paid once per fit: three forwards of one micro-batch per rank without"
-        " gradient and one `all_gather_object`.",
+        " steady window (windows 2 on). It is paid once per fit: three forwards without gradient per micro-batch of"
+        " the first window, and one `all_gather_object`.",
         _common.markdown_table(headers, body),
     ])
     _common.write_results(json_path, markdown_path, payload, markdown)

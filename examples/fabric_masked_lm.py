@@ -55,7 +55,8 @@ from stdlib_corpus import PairDataset, collate, load_pairs, train_val_split
 from tiny_lm import LMConfig, TinyLM, masked_lm_loss
 
 from token_mean import ExactDistributedSampler, TokenMeanLoss, count_valid_labels
-from token_mean.fabric import FabricMonitor, TokenMeanAccumulator
+from token_mean.fabric import TokenMeanAccumulator
+from token_mean.fabric_monitor import FabricMonitor
 
 Batch = dict[str, Tensor]
 

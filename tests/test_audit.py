@@ -478,7 +478,7 @@ def litgpt_loop_audited(fabric: Any, data: list[list[Batch]], accumulate: int,
     from _fabric import rank_batches, setup, shifted_loss
 
     from token_mean import count_shifted_labels
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     monitor = FabricMonitor(audit_every=1, audit_loss=shifted_loss, count_fn=count_fn or count_shifted_labels,
                             on_audit_failure="log")
@@ -541,7 +541,7 @@ def test_fabric_litgpt_loop_is_flagged_by_the_monitor_alone() -> None:
 def accumulator_audited(fabric: Any, data: list[list[Batch]], mode: str, every: int | None) -> dict[str, Any]:
     from _fabric import accumulator_loop, shifted_loss
 
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     windows: list[dict[str, Any]] = []
     monitor = FabricMonitor(audit_every=every, audit_loss=shifted_loss, on_audit_failure="raise")
@@ -637,7 +637,7 @@ def _audited_in_group(fabric: Any, data: list[list[Batch]], group: str, loop: st
 
 
 def test_fabric_monitor_needs_the_loss() -> None:
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     with pytest.raises(ValueError, match=r"`audit_every=2` needs `audit_loss`, a callable fn\(model, batch\)"):
         FabricMonitor(audit_every=2)

@@ -444,7 +444,7 @@ def test_trace_round_trips_none_and_nonfinite(tmp_path: Path) -> None:
 def test_bad_settings(kwargs: dict[str, Any], error: type[Exception], match: str, monitor: str) -> None:
     """Both monitors take the same settings and check them alike: `FabricMonitor(loss_reduction="avg")` once
     audited a sum without a word."""
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     with pytest.raises(error, match=match):
         {"DenominatorMonitor": DenominatorMonitor, "FabricMonitor": FabricMonitor}[monitor](**kwargs)

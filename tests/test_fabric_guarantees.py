@@ -69,7 +69,8 @@ from token_mean import (
     count_shifted_labels,
 )
 from token_mean._trace import TRACE_COLUMNS, read_trace
-from token_mean.fabric import FabricMonitor, TokenMeanAccumulator
+from token_mean.fabric import TokenMeanAccumulator
+from token_mean.fabric_monitor import FabricMonitor
 from token_mean.plot import main as plot_main
 
 GLOO_TIMEOUT = timedelta(seconds=15)  # a rank left alone in a collective fails after this, not after 30 minutes

@@ -428,7 +428,7 @@ def monitored_resume(fabric: Fabric, data: list[list[Batch]], mode: str, path: P
     """One pass with ``FabricMonitor(record=..., reference=..., on_divergence="log")``: ``phase`` "whole" trains
     it, "first" saves after window 2 and stops, "resumed" loads that checkpoint and trains on (``forget_windows``:
     the state's window count set to 0, what the monitor numbered from before; the control). The first divergence."""
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     model, optimizer = setup(fabric)
     monitor = FabricMonitor(record=record, reference=reference_trace, on_divergence="log")
@@ -545,7 +545,7 @@ def test_deferred_on_a_model_with_its_own_comm_hook_says_what_to_do() -> None:
 def test_fabric_monitor_messages_name_fabric_monitor(tmp_path: Path, trace: str) -> None:
     """A reference trace that is missing or a directory: the message says how to record one with
     ``FabricMonitor(record=...)``. Control: the Trainer's monitor says ``DenominatorMonitor`` (test_callback.py)."""
-    from token_mean.fabric import FabricMonitor
+    from token_mean.fabric_monitor import FabricMonitor
 
     (tmp_path / "folder.csv").mkdir()
     path = tmp_path / ("missing.csv" if trace == "missing.csv" else "folder.csv")

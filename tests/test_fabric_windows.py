@@ -36,7 +36,8 @@ from lightning.fabric import Fabric
 
 from token_mean import count_shifted_labels
 from token_mean._trace import read_trace
-from token_mean.fabric import BatchWindow, FabricMonitor, TokenMeanAccumulator
+from token_mean.fabric import BatchWindow, TokenMeanAccumulator
+from token_mean.fabric_monitor import FabricMonitor
 
 K = 3
 MISSES = 1e-6  # the control misses the reference by more than this

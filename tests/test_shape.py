@@ -40,6 +40,26 @@ def test_no_import_circle() -> None:
     graphlib.TopologicalSorter(graph).prepare()  # raises CycleError naming the circle
 
 
+LAYERS = {"_audit", "_count_check", "callback", "fabric_monitor", "_monitor", "_trace", "plot", "_fingerprint",
+          "metrics", "sampler"}
+"""What sits on top of the core: the count check, the audit, the monitors with trace and plot, fingerprints, the
+validation metric and sampler. Every other module is the core's, and imports none of them (#43)."""
+
+
+def test_the_core_imports_no_layer() -> None:
+    trees = _trees()
+    modules = set(trees) - {"__init__"}
+    assert LAYERS <= modules, LAYERS - modules
+    graph = {name: _imports(name, trees[name], modules) for name in modules}
+    for module in sorted(modules - LAYERS):
+        reached, todo = set(), [module]
+        while todo:  # everything the module imports, however indirectly
+            for imported in graph[todo.pop()] - reached:
+                reached.add(imported)
+                todo.append(imported)
+        assert not reached & LAYERS, f"the core module {module} imports the layers {sorted(reached & LAYERS)}"
+
+
 def test_sizes() -> None:
     too_long = []
     for module, tree in _trees().items():

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor, nn
 
-from token_mean import _torch
+from token_mean import _observers, _torch
 from token_mean._counts import read_count
 from token_mean._layout import World
 from token_mean._settings import Settings
@@ -319,24 +319,55 @@ def count_check(
     return decide(gathered, terms, where, step)
 
 
-def check_first_window(
-    module: nn.Module,
-    recorded: list[Recorded],
-    settings: Settings,
-    world: World,
-    where: str,
-    context: Callable[[], Any],
-    loss_fn: LossFn,
-    step: str = "`training_step`",
-) -> None:
-    """The count check of a fit's first window, on every rank before its update (``docs/counts.md``)."""
-    deferred = settings.mode == "deferred"  # a reported 'num_items' is the count
-    objective = Objective(loss_fn, settings.count_fn, settings.loss_reduction, False, context, settings.terms, deferred)
-    _, error, warnings = count_check(module, recorded, objective, where, world, step)
-    if error is not None:
-        raise DenominatorError(error)
-    for warning in warnings:
-        rank_zero_warn(warning)
+class FirstWindowCheck:
+    """The count check of a fit's (an accumulator's) first window, as a first-window observer
+    (:mod:`token_mean._observers`): its micro-batches as their forwards start, the losses they trained on, then the
+    check on every rank before the window's update (``docs/counts.md``)."""
+
+    def __init__(self, settings: Settings) -> None:
+        self._settings = settings
+        self._recorded: list[Recorded] = []
+
+    @classmethod
+    def of(cls, settings: Settings, replayable: bool) -> FirstWindowCheck | None:
+        """The check, or None with ``check_count=False``; where no loss can be replayed, None and a warning."""
+        if not settings.check_count:
+            return None
+        if not replayable:
+            rank_zero_warn(
+                "token_mean: `TokenMeanAccumulator` cannot check the count: it replays the loss at the first window,"
+                " and was given no `loss_fn`. Pass `loss_fn=fn(model, batch) -> loss`, the loss the loop passes to"
+                " `accumulator.backward` (docs/counts.md), or `check_count=False` to silence this."
+            )
+            return None
+        return cls(settings)
+
+    def micro_batch(self, batch: Any, filler: bool, index: int) -> None:
+        self._recorded.append(Recorded(batch, capture_rng(), filler, index))
+
+    def trained(self, output: Any) -> None:
+        names = [name for name, _, _ in self._settings.terms]
+        if self._recorded:
+            self._recorded[-1] = replace(self._recorded[-1], trained=trained_losses(output, names))
+
+    def ended(self, replay: _observers.Replay, where: str) -> None:
+        settings = self._settings
+        deferred = settings.mode == "deferred"  # a reported 'num_items' is the count
+
+        def loss_fn(module: nn.Module, micro_batch: Recorded) -> Any:
+            return replay.loss_fn(module, micro_batch.batch, micro_batch.index)
+
+        objective = Objective(
+            loss_fn, settings.count_fn, settings.loss_reduction, False, replay.context, settings.terms, deferred
+        )
+        _, error, warnings = count_check(replay.module, self._recorded, objective, where, replay.world, replay.step)
+        if error is not None:
+            raise DenominatorError(error)
+        for warning in warnings:
+            rank_zero_warn(warning)
+
+
+_observers.FIRST_WINDOW.append(FirstWindowCheck.of)
 
 
 Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]

@@ -10,26 +10,36 @@ import contextlib
 import itertools
 import weakref
 from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Sequence
-from dataclasses import replace
-from typing import Any
+from typing import Any, Protocol
 
 from lightning.fabric.utilities import rank_zero_warn
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
 from token_mean import _lightning, _torch
-from token_mean._audit import Recorded, capture_rng, check_first_window, trained_losses
 from token_mean._checkpoint import Progress
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, World, check_reduction, layout, stand_in_loss
 from token_mean._modes import make_mode
-from token_mean._monitor import replayed
+from token_mean._observers import Replay, first_window_observers
 from token_mean._reader import Reader
 from token_mean._settings import CountFn, LossReduction, Mode, Settings, checked_settings, positive_int
 from token_mean._window import MicroBatch, StepOutput
-from token_mean.fabric_monitor import FabricMonitor
 from token_mean.results import WindowStats
+
+
+class Monitor(Protocol):
+    """What the accumulator tells a monitor (:class:`~token_mean.fabric_monitor.FabricMonitor`) of its windows."""
+
+    audit_loss: Callable[[Any, Any], Any] | None
+
+    def attach(self, model: Any, settings: Settings, world: World) -> None: ...
+    def start(self, fabric: Any) -> None: ...
+    def micro_batch(self, model: Any, batch: Any, filler: bool = False) -> None: ...
+    def finished(self, model: Any, stats: WindowStats) -> WindowStats: ...
+    def stepped(self, model: Any) -> None: ...
+    def resume_at(self, step: int) -> None: ...
 
 
 class TokenMeanAccumulator:
@@ -42,7 +52,7 @@ class TokenMeanAccumulator:
         fabric, model: the launched ``Fabric``, and what its ``setup`` (or ``setup_module``) returned.
         accumulate: K, the micro-batches per rank and window.
         count_fn, loss_reduction, mode, pad_uneven_ranks, check_count: as for the Trainer strategies.
-        monitor: a :class:`FabricMonitor` that logs every window and writes or compares a trace.
+        monitor: a :class:`~token_mean.fabric_monitor.FabricMonitor` that logs every window and writes a trace.
         loss_fn: ``fn(model, batch) -> loss``, the loss the loop passes to :meth:`backward`: the count check
             replays it at the first window (without it, nor a monitor's ``audit_loss``, a warning says it cannot).
 
@@ -75,7 +85,7 @@ class TokenMeanAccumulator:
         loss_reduction: LossReduction = "mean",
         mode: Mode = "lookahead",
         pad_uneven_ranks: bool = True,
-        monitor: FabricMonitor | None = None,
+        monitor: Monitor | None = None,
         check_count: bool = True,
         loss_fn: Callable[[Any, Any], Any] | None = None,
     ) -> None:
@@ -83,9 +93,7 @@ class TokenMeanAccumulator:
         self._accumulate: int = positive_int(accumulate, "accumulate", "micro-batches per window")  # type: ignore[assignment]
         self._layout = _fabric_layout(fabric, model, self._accumulate)
         self._fabric, self._model = fabric, model
-        self._passes = Passes(
-            make_mode(settings, self._layout, rank_counts=monitor is not None), pad_uneven_ranks, "pass"
-        )
+        self._passes = Passes(make_mode(settings, self._layout, monitor is not None), pad_uneven_ranks, "pass")
         if fabric.world_size > 1:  # the strategy's processes, though DDP's own group may hold this rank alone
             destroy_process_group_at_exit()
         self._monitor = monitor
@@ -97,7 +105,8 @@ class TokenMeanAccumulator:
         self._iterating: str | None = None  # "batches" or "windows": the method that made the pass in progress
         self._last_window: WindowStats | None = None
         self._foreign: int | None = None  # trainable parameters the loss reaches outside the model (checked once)
-        self._count_check = _FirstWindowCheck.of(settings, loss_fn, monitor)  # None after the first window
+        self._loss_fn = _checked_loss_fn(loss_fn, monitor)
+        self._first_window = first_window_observers(settings, replayable=self._loss_fn is not None)
 
     @property
     def accumulating(self) -> bool:
@@ -146,8 +155,8 @@ class TokenMeanAccumulator:
         output = _step_output(loss, aux_loss, num_items, self._passes.mode.settings.terms, self._model)
         if self._foreign is None:  # once: in deferred mode the loss must reach the accumulator's model's alone
             self._foreign = 0 if self._passes.mode.reads_ahead else _foreign_parameters(output.backprop, self._model)
-        if self._count_check is not None:
-            self._count_check.trained(loss)  # what the micro-batch trained on: the check's replay must give it
+        for observer in self._first_window:
+            observer.trained(loss)  # what the micro-batch trained on: a replay must give it
         scaled = micro.loss_to_backprop(output, self._batch)
         self._fabric.backward(scaled, *args, model=self._model, **kwargs)
         micro.backward_done()
@@ -158,9 +167,10 @@ class TokenMeanAccumulator:
         micro = self._in_flight("`accumulator.finish()`")
         _check_finish(micro)
         stats = _current(self._passes).end_window()
-        if (check := self._count_check) is not None:  # the first window: before its update, on every rank
-            self._count_check = None
-            check.run(self._model, self._layout.world, micro.window.where)
+        if self._first_window:  # the first window ended (its count check runs here, on every rank)
+            observers, self._first_window = self._first_window, []
+            for observer in observers:
+                observer.ended(_replay(self._model, self._loss_fn, self._layout.world), micro.window.where)
         self._progress.windows += 1
         if self._monitor is not None:
             stats = self._monitor.finished(self._model, stats)
@@ -208,8 +218,8 @@ class TokenMeanAccumulator:
                 self._batch = move(item[0])
                 if self._monitor is not None:
                     self._monitor.micro_batch(self._model, self._batch, self._micro.filler)
-                if self._count_check is not None:
-                    self._count_check.micro_batch(self._batch, self._micro.filler, position)
+                for observer in self._first_window:
+                    observer.micro_batch(self._batch, self._micro.filler, position)
                 yield self._batch
         finally:
             self._iterating = None
@@ -233,49 +243,20 @@ class TokenMeanAccumulator:
         return epoch, move, start
 
 
-class _FirstWindowCheck:
-    """The count check of the accumulator's first window: its micro-batches as the loop takes them, the losses they
-    trained on, then the check before its update (``finish``)."""
+def _checked_loss_fn(loss_fn: Any, monitor: Monitor | None) -> Callable[[Any, Any], Any] | None:
+    """The loss the count check replays: ``loss_fn``, else a monitor's ``audit_loss`` (None: none to replay)."""
+    if loss_fn is not None and not callable(loss_fn):
+        raise TypeError(f"`loss_fn` must be a callable fn(model, batch) -> loss, got {type(loss_fn).__name__}.")
+    return loss_fn or (monitor.audit_loss if monitor is not None else None)
 
-    def __init__(self, settings: Settings, loss_fn: Callable[[Any, Any], Any]) -> None:
-        self._settings, self._loss_fn = settings, loss_fn
-        self._recorded: list[Recorded] = []
 
-    @classmethod
-    def of(
-        cls, settings: Settings, loss_fn: Callable[[Any, Any], Any] | None, monitor: FabricMonitor | None
-    ) -> _FirstWindowCheck | None:
-        """The check, or None with ``check_count=False``; without a loss to replay, None and a warning."""
-        if loss_fn is not None and not callable(loss_fn):
-            raise TypeError(f"`loss_fn` must be a callable fn(model, batch) -> loss, got {type(loss_fn).__name__}.")
-        if not settings.check_count:
-            return None
-        loss_fn = loss_fn or (monitor.audit_loss if monitor is not None else None)
-        if loss_fn is None:
-            rank_zero_warn(
-                "token_mean: `TokenMeanAccumulator` cannot check the count: it replays the loss at the first window,"
-                " and was given no `loss_fn`. Pass `loss_fn=fn(model, batch) -> loss`, the loss the loop passes to"
-                " `accumulator.backward` (docs/counts.md), or `check_count=False` to silence this."
-            )
-            return None
-        return cls(settings, loss_fn)
-
-    def micro_batch(self, batch: Any, filler: bool, position: int) -> None:
-        self._recorded.append(Recorded(batch, capture_rng(), filler, position))
-
-    def trained(self, loss: Any) -> None:
-        names = [name for name, _, _ in self._settings.terms]
-        if self._recorded:
-            self._recorded[-1] = replace(self._recorded[-1], trained=trained_losses(loss, names))
-
-    def run(self, model: Any, world: World, where: str) -> None:
-        """The check, on every rank (a ``DenominatorError`` on every rank if the count is wrong)."""
-        modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)
-        if modules is None or strategy is None:
-            raise RuntimeError("token_mean: internal error: the count check lost the model `fabric.setup` returned.")
-        loss = replayed(self._loss_fn)
-        context = strategy.precision.forward_context
-        check_first_window(modules[1], self._recorded, self._settings, world, where, context, loss, "the loss function")
+def _replay(model: Any, loss_fn: Any, world: World) -> Replay:
+    """How the first window's observers replay the loop's loss: ``loss_fn(module, batch)`` on the unwrapped module."""
+    modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)
+    if modules is None or strategy is None:
+        raise RuntimeError("token_mean: internal error: the accumulator lost the model `fabric.setup` returned.")
+    context = strategy.precision.forward_context
+    return Replay(modules[1], lambda module, batch, index: loss_fn(module, batch), context, world, "the loss function")
 
 
 def _current(passes: Passes) -> Epoch:
@@ -358,7 +339,7 @@ def _one_pass_at_a_time(iterating: str | None) -> None:
         raise RuntimeError(f"`accumulator.{iterating}(...)` is already being iterated: one pass at a time.")
 
 
-def _batch_done(micro: MicroBatch | None, monitor: FabricMonitor | None, model: Any) -> None:
+def _batch_done(micro: MicroBatch | None, monitor: Monitor | None, model: Any) -> None:
     """The loop asks for the next batch: the one before ran its backward (and its window's finish, if last)."""
     if micro is None:
         return
@@ -565,4 +546,4 @@ def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any
     return None, itertools.chain([following], iterator)
 
 
-__all__ = ["BatchWindow", "TokenMeanAccumulator"]  # FabricMonitor is importable here too, defined in fabric_monitor
+__all__ = ["BatchWindow", "TokenMeanAccumulator"]

@@ -25,12 +25,12 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import Recorded, capture_rng, check_first_window, trained_losses
 from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._layout import Layout, World, layout, stand_in_loss
 from token_mean._modes import make_mode
+from token_mean._observers import FirstWindowObserver, Replay, first_window_observers
 from token_mean._settings import (
     CountFn,
     LossReduction,
@@ -69,7 +69,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._last_window: WindowStats | None = None
         self._track_rank_counts = False
         self._unwrap_hook: Callable[[], None] | None = None  # undoes the -1 refusal's wrapper (picklable: None)
-        self._checking: list[Recorded] | None = None  # the first window's micro-batches, for the count check
+        self._first_window: list[FirstWindowObserver] = []  # layers that follow the fit's first window
         self._names = tuple(name for name, _, _ in self._settings.terms)  # an objective of several terms
 
     @property
@@ -140,7 +140,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._passes, self._fitting = Passes(mode, self._settings.pad_uneven_ranks, "epoch"), trainer
         _lightning.read_through(trainer, self._passes)
         self._unwrap_hook = _lightning.refuse_early_epoch_end(trainer.lightning_module, self._left_early)
-        self._checking = [] if self._settings.check_count else None
+        self._first_window = first_window_observers(self._settings, replayable=True)
 
     def _layout(self, model: Module) -> Layout:
         return layout(self, model)
@@ -166,10 +166,11 @@ class TokenMeanStrategy(ParallelStrategy):
         micro = self._micro = epoch.micro_batch(position, trainer.accumulate_grad_batches, lambda: trainer.global_step)
         _check_lightning_steps(trainer, micro)
         batch = args[0] if args else kwargs.get("batch")
-        rng = capture_rng() if self._checking is not None else None
+        for observer in self._first_window:
+            observer.micro_batch(batch, micro.is_filler, position)
         raw = super().training_step(*args, **kwargs)
-        if self._checking is not None and rng is not None:  # the fit's first window, for the count check
-            self._checking.append(Recorded(batch, rng, micro.is_filler, position, trained_losses(raw, self._names)))
+        for observer in self._first_window:
+            observer.trained(raw)
         output, returned = StepOutput.of(raw, self._stand_in_loss, self._names)
         micro.loss_to_backprop(output, batch)
         return returned  # type: ignore[no-any-return]
@@ -204,9 +205,11 @@ class TokenMeanStrategy(ParallelStrategy):
         result = closure()
         micro, self._micro = self._micro, None
         micro = _ended_window(micro)
-        if self._checking is not None:  # the fit's first window: its count check, on every rank
-            recorded, self._checking = self._checking, None
-            _count_check(self, recorded, micro.window.where)
+        if self._first_window:  # the fit's first window ended (its count check runs here, on every rank)
+            observers, self._first_window = self._first_window, []
+            replay = _replay(self)
+            for observer in observers:
+                observer.ended(replay, micro.window.where)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, once(result), model, **kwargs)
@@ -254,12 +257,12 @@ def _early_end(batch_idx: int, rank: int) -> DenominatorError:
     )
 
 
-def _count_check(strategy: TokenMeanStrategy, recorded: list[Recorded], where: str) -> None:
-    """The fit's first window ended: its count check, on every rank, before the update."""
+def _replay(strategy: TokenMeanStrategy) -> Replay:
+    """How the first window's observers replay `training_step` (its `self.log` dropped)."""
     passes = strategy._passes
     world = passes.mode.channel.world if passes is not None else World.single()
-    module, context = strategy._module(), strategy.precision_plugin.train_step_context
-    check_first_window(module, recorded, strategy._settings, world, where, context, _training_step)
+    context = strategy.precision_plugin.train_step_context
+    return Replay(strategy._module(), _lightning.replay_training_step, context, world, "`training_step`")
 
 
 def _check_lightning_steps(trainer: pl.Trainer, micro: MicroBatch) -> None:
@@ -316,10 +319,6 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
                 f"`{name}` does not support `torch.optim.LBFGS`: it re-evaluates the closure within one step,"
                 " which would count the window's items again. Use a first-order optimizer."
             )
-
-
-def _training_step(module: Module, micro_batch: Recorded) -> Any:
-    return _lightning.replay_training_step(module, micro_batch.batch, micro_batch.index)
 
 
 def once(result: Any) -> Callable[[], Any]:
