@@ -20,11 +20,9 @@ from token_mean._audit import Objective, Recorded
 from token_mean._counts import count_valid_labels
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import grad_norm
-from token_mean._layout import shared_world
+from token_mean._layout import World, shared_world
+from token_mean._measure import MeasuredWindow
 from token_mean._monitor import Monitoring, audited, replayed
-from token_mean._problems import Problem
-from token_mean._record import Channel, Slot
-from token_mean._window import Window
 from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
@@ -60,8 +58,8 @@ class DenominatorMonitor(Monitoring, Callback):
     _count_fn: Any = None  # what the monitor measures and audits with, from `setup` (None: not fitting)
     _reduction = "mean"
     _strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged, from `setup`
-    _channel: Channel | None = None  # the measurement's, under any other strategy, from `on_train_start`
-    _measured: Window | None = None  # the window being measured
+    _world: World | None = None  # the measurement's ranks, under any other strategy, from `on_train_start`
+    _measured: MeasuredWindow | None = None  # the window being measured
     _published: WindowStats | None = None  # the strategy's last window already logged
     _warned = False
     _started_at = 0.0
@@ -86,7 +84,7 @@ class DenominatorMonitor(Monitoring, Callback):
         else:
             self._count_fn, self._reduction = self.count_fn or count_valid_labels, "mean"
         self._reduction = self.loss_reduction or self._reduction
-        self._read_reference(tuple(name for name, _, _ in self._strategy.terms) if self._strategy else ())
+        self._read_reference(tuple(name for name, _, _ in self._strategy.settings.terms) if self._strategy else ())
         if self._auditor.enabled and not pl_module.automatic_optimization:
             raise ValueError(
                 "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="
@@ -103,10 +101,10 @@ class DenominatorMonitor(Monitoring, Callback):
         if self._strategy is None:
             if world.distributed or trainer.world_size > 1:
                 destroy_process_group_at_exit()  # the measurement's collectives run on a group a plain strategy keeps
-            self._channel = Channel(world, rank_counts=True)
+            self._world = world
         aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
         loss = _training_step_output if self.audit_loss is None else replayed(self.audit_loss)
-        settings = self._strategy._settings if self._strategy is not None else None
+        settings = self._strategy.settings if self._strategy is not None else None
         objective = Objective(
             loss,
             self._count_fn,
@@ -155,25 +153,13 @@ class DenominatorMonitor(Monitoring, Callback):
     ) -> None:
         if self._count_fn is None:  # not fitting
             return
-        if self._strategy is None and self._channel is not None:
-            if self._measured is None:  # an observer: a NaN loss is the strategy's to judge, not the measurement's
-                self._measured = Window(
-                    self._channel,
-                    batch_idx,
-                    batch_idx,
-                    1,
-                    f"optimizer step {self._step} (measured by DenominatorMonitor",
-                    self._reduction,
-                    judge_losses=False,
-                )
+        if self._strategy is None and self._world is not None:
+            if self._measured is None:
+                self._measured = MeasuredWindow(self._world, self._reduction == "mean", self._step, batch_idx)
+            loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
             # Lightning divided the closure loss by K under automatic optimization
-            _measure(
-                self._measured,
-                batch,
-                outputs,
-                self._count_fn,
-                trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1,
-            )
+            accumulate = trainer.accumulate_grad_batches if pl_module.automatic_optimization else 1
+            self._measured.add(batch, loss, self._count_fn, accumulate)
         self._length += 1
         if not _lightning.steps_after_this_batch(trainer):
             return  # still accumulating
@@ -202,9 +188,7 @@ class DenominatorMonitor(Monitoring, Callback):
             window, self._measured = self._measured, None
             if window is None:
                 return None, None
-            window.close()
-            reduced, local = window.read()
-            return window.stats(reduced, local, reduced[Slot.COUNT]), reduced[Slot.NAIVE] / window.channel.world.size
+            return window.end()
         stats = self._strategy.last_window
         if stats is not None and stats is not self._published:
             self._published = stats
@@ -224,24 +208,6 @@ class DenominatorMonitor(Monitoring, Callback):
     @override
     def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         self.close()
-
-
-def _measure(window: Window, batch: Any, outputs: Any, count_fn: Any, accumulate: int) -> None:
-    """One micro-batch of a window the strategy does not normalize: counted as received, its loss undone from the
-    loop's division by ``accumulate``, plain DDP's own loss in the ``NAIVE`` slot."""
-    loss = outputs.get("loss") if isinstance(outputs, Mapping) else outputs
-    window.stop += 1
-    if not isinstance(loss, Tensor):  # a skipped micro-batch: no gradient, so no items either
-        window.add(window.channel.zero(), None, filler=True)
-        return
-    try:
-        count = window.on_device(count_fn(batch), "`count_fn`")
-    except Exception as error:  # every rank must reach the window's collective to learn of it
-        count = None
-        window.flag(Problem.COUNT_FAILED, f"`count_fn` raised {type(error).__name__}: {error}")
-    naive = loss.detach().reshape(()).to(device=window.channel.world.device, dtype=torch.float64)
-    window.add_to(Slot.NAIVE, naive)
-    window.add(window.channel.zero() if count is None else count, naive * accumulate, filler=False)
 
 
 def _training_step_output(module: torch.nn.Module, micro_batch: Recorded) -> Any:

@@ -35,7 +35,7 @@ from token_mean._settings import (
     CountFn,
     LossReduction,
     Mode,
-    Term,
+    Settings,
     check_passed_through,
     checked_settings,
     named_parameters,
@@ -86,9 +86,9 @@ class TokenMeanStrategy(ParallelStrategy):
         return self._settings.mode
 
     @property
-    def terms(self) -> tuple[Term, ...]:
-        """An objective of several terms (``count_fn={name: count}``): ``(name, count, reduction)`` each, else ()."""
-        return self._settings.terms
+    def settings(self) -> Settings:
+        """Every objective setting as the strategy checked them (a monitor's audit replays with them)."""
+        return self._settings
 
     @property
     def last_window(self) -> WindowStats | None:
