@@ -39,9 +39,6 @@ bench: $(STAMP)
 	$(PY) benchmarks/slow_loader.py
 	$(PY) benchmarks/fidelity.py
 	$(PY) benchmarks/overhead.py
-	$(PY) benchmarks/host_time.py
-	$(PY) benchmarks/host_time.py --unpinned --json benchmarks/results/host_time_unpinned.json --markdown benchmarks/results/host_time_unpinned.md
-	$(PY) benchmarks/instructions.py
 	$(PY) benchmarks/model_parallel.py
 	$(PY) benchmarks/audit.py
 	$(PY) benchmarks/count_check.py

@@ -24,7 +24,7 @@ EXACT = 1e-12
 
 
 def run_bounded(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``command`` in its own session, bounded in time: whatever it started (gloo workers, host_time's pairs) is
+    """``command`` in its own session, bounded in time: whatever it started (gloo workers) is
     killed with its session when it exits or times out."""
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                start_new_session=True)
@@ -109,37 +109,6 @@ def test_overhead_quick(tmp_path: Path) -> None:
     collectives = payload["collectives_gloo_2proc"]
     assert isinstance(collectives, dict) and collectives["all_reduce_record_us"] > 0
     assert all(r["exchange_ms_per_step"] == 0 for r in rows if r["method"] == "plain")
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_host_time_quick(tmp_path: Path) -> None:
-    payload = run_script("host_time", tmp_path)
-    methods = ("plain", "lookahead", "deferred")
-    expected = {(k, method) for k in (1, 4) for method in methods}
-    # timed in pairs against plain DDP: the modes, the floors, and plain itself (the control pair)
-    floors = ("floor", "floor_record")
-    assert {(r["accumulate"], r["method"]) for r in payload["rows"]} == expected | {(k, f) for k in (1, 4)
-                                                                                    for f in floors}
-    for mode in (*methods[1:], *floors):
-        for k in (1, 4):
-            value = payload[f"ratio_{mode}_K{k}"]
-            assert isinstance(value, float) and value > 0, (mode, k, value)
-    assert all(r["ms_per_step"] > 0 for r in payload["rows"])
-    assert payload["environment"]["configuration"]["quick"] is True
-    profiles = {(p["accumulate"], p["method"]): p for p in payload["profile"]}
-    assert set(profiles) == expected
-    for (_, method), profile in profiles.items():
-        assert profile["windows"] == 30  # --quick: 40 steps, the first 10 not profiled
-        if method == "plain":  # plain DDP runs no package frame: the attribution sees nothing there
-            assert profile["own_us_per_window"] == 0 and not profile["top_functions"], profile
-            continue
-        # the package's own time holds its frames' self time and fits in the profiled step
-        own, python = profile["own_us_per_window"], profile["python_us_per_window"]
-        assert 0 < python <= own < profile["profiled_seconds_per_step"] * 1e6, profile
-        assert profile["delegated_us_per_window"] > own / 10  # the forward, backward and step were subtracted
-        assert profile["unclassified_us_per_window"] <= 0.1 * own  # the classifier saw the profile's entries
-        assert profile["top_functions"] and profile["top_functions"][0]["self_us_per_window"] > 0
 
 
 @pytest.mark.distributed
@@ -250,18 +219,3 @@ def test_gpu_step_refuses_to_run_without_cuda() -> None:
     assert "no CUDA device" in completed.stderr and "--quick" in completed.stderr
 
 
-def test_instructions_per_step_cancels_what_every_fit_costs_besides_its_steps() -> None:
-    """instructions.py's quick run takes two minutes under valgrind (six fits), too long for the suite: its
-    arithmetic is tested here, its output by ``make bench``."""
-    sys.path.insert(0, str(BENCHMARKS))
-    import instructions
-
-    log = "==12== Events    : Ir\n==12== Collected : 175688557\n==12==\n==12== I   refs:      175,688,557\n"
-    assert instructions.collected(log) == 175_688_557
-    with pytest.raises(RuntimeError, match="no callgrind count"):
-        instructions.collected("valgrind: command not found")
-    setup, step = 917_000, 3_495_400  # the control calls and the fit's start, and one step
-    fits = [setup + n * step for n in (30, 90)]
-    assert instructions.per_step(*fits, 30, 90) == step
-    with pytest.raises(ValueError, match="more steps"):
-        instructions.per_step(*fits, 90, 30)
