@@ -546,7 +546,7 @@ def test_a_loader_that_refills_its_buffer_is_asked_only_after_the_last_backward(
     assert loader.reads == 4, "a read would overwrite the batch in flight"
     window: Any = SimpleNamespace(stop=4, accumulate=2, where="the window")
     with pytest.raises(DenominatorError, match=r"the training loader yielded more batches than its `len\(\)`"):
-        epoch.after(window, 0.0, unsure=True)
+        epoch.apply_window_end(window, 0.0, unsure=True)
     assert loader.reads == 5
 
 
@@ -565,9 +565,9 @@ def test_a_loader_restarted_by_a_resume_is_asked_for_one_item_past_its_whole_len
     window: Any = SimpleNamespace(stop=7, accumulate=2, where="the window")
     if more:
         with pytest.raises(DenominatorError, match="more than its `len\\(\\)` of 7"):
-            epoch.after(window, 0.0, unsure=True)
+            epoch.apply_window_end(window, 0.0, unsure=True)
     else:
-        epoch.after(window, 0.0, unsure=True)
+        epoch.apply_window_end(window, 0.0, unsure=True)
     assert loader.reads == yielded
     assert loader.reads > 4 + 1, "the control: one item past the pass says nothing here"
 

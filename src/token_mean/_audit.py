@@ -16,7 +16,7 @@ import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -78,8 +78,11 @@ class Recorded:
     trained: Any = None  # the step's losses as it trained (detached): the count check tells randomness by them
 
 
-Replayed = tuple["float | None", torch.dtype]
-"""``‖g − g*‖ / ‖g*‖`` (None when N = 0 on every rank) and the least precise dtype of parameters and losses."""
+class Replayed(NamedTuple):
+    """What an audit's replay gives."""
+
+    error: float | None  # ‖g − g*‖ / ‖g*‖ (None when N = 0 on every rank)
+    dtype: torch.dtype  # the least precise dtype of parameters and losses
 
 
 @dataclass(frozen=True)
@@ -177,7 +180,7 @@ def objective_error(
         raise AuditError(f"The objective audit could not count a micro-batch of its window: {where}.")
     dtypes = [p.dtype for _, p in parameters]  # with those the replay weighs in (and those the sharded forward uses)
     if not any(global_counts):
-        return None, least_precise(dtypes)
+        return Replayed(None, least_precise(dtypes))
     window = list(zip(micro_batches, counts, strict=True))
     weigh = _weigher(objective, terms, global_counts, global_real)
     sharded = _torch.is_sharded(module)
@@ -205,7 +208,7 @@ def objective_error(
     if distributed:
         dist.all_reduce(error, op=dist.ReduceOp.MAX, group=group)
     figure, agreed = error.tolist()
-    return figure, PRECISION_ORDER[int(agreed)]
+    return Replayed(figure, PRECISION_ORDER[int(agreed)])
 
 
 def least_precise(dtypes: Sequence[torch.dtype]) -> torch.dtype:
@@ -551,8 +554,9 @@ def _sharded_error(
     difference_sum, reference_sum, *dtype_ranks = sums.tolist()
     agreed = max(index for index, count in enumerate(dtype_ranks) if count > 0)
     if difference_sum == 0:
-        return 0.0, PRECISION_ORDER[agreed]
-    return (math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf), PRECISION_ORDER[agreed]
+        return Replayed(0.0, PRECISION_ORDER[agreed])
+    error = math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf
+    return Replayed(error, PRECISION_ORDER[agreed])
 
 
 def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int) -> tuple[Tensor | None, Tensor, int]:

@@ -110,7 +110,9 @@ class Epoch:
             ahead = self.window_stop(stop, accumulate)
             reader.read_ahead(ahead, at_most=None if last else 1)
         if last:
-            window.ahead(reader.entries(stop, ahead) if reads_ahead else [], self.pass_end(stop, peek=not reads_ahead))
+            window.receive_following(
+                reader.entries(stop, ahead) if reads_ahead else [], self.pass_end(stop, peek=not reads_ahead)
+            )
         return window.micro_batch(entry, accumulate)
 
     def _open(self, start: int, accumulate: int, step: int) -> Window:
@@ -153,11 +155,11 @@ class Epoch:
         if window is None or window.ended:
             raise RuntimeError("token_mean: internal error: a window was ended twice, or before it opened.")
         stats, ranks_with_more, unsure, self._next_counts = window.end()
-        self.after(window, ranks_with_more, unsure)
+        self.apply_window_end(window, ranks_with_more, unsure)
         self.mode.count_skipped(stats)
         return stats
 
-    def after(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
+    def apply_window_end(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
         """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch
         after it (a stream's); ``unsure``: some rank could not tell before the backward, so the ranks agree now."""
         channel = self.mode.channel
@@ -186,18 +188,18 @@ class Epoch:
         reader = self.reader
         if self.sized:
             if stop < self.length or not self._checks_length():
-                return {}, []
+                return PassEnd({}, [])
             if not reader.fresh or reader.resumed_without_state:  # a restarted loader is read past its first items
-                return {Slot.UNSURE: 1.0}, []
-            return {}, self._past_end()
+                return PassEnd({Slot.UNSURE: 1.0}, [])
+            return PassEnd({}, self._past_end())
         if not peek:
-            return {}, []
+            return PassEnd({}, [])
         if not reader.fresh:
-            return {Slot.UNSURE: 1.0}, []
+            return PassEnd({Slot.UNSURE: 1.0}, [])
         problems = []
         if any(entry.aliased for entry in reader.entries(stop, stop + 1)):
             problems.append((Problem.ALIASED, f"the batch at position {stop} reuses the memory of the batch in flight"))
-        return {Slot.MORE: float(reader.has_real_from(stop))}, problems
+        return PassEnd({Slot.MORE: float(reader.has_real_from(stop))}, problems)
 
     def _checks_length(self) -> bool:
         return self._own_length is not None and not self.reader.exhausted

@@ -73,7 +73,7 @@ def uses_dataloader_iter(trainer: pl.Trainer) -> bool:
     return is_param_in_hook_signature(module.training_step, "dataloader_iter", explicit=True)
 
 
-def follow(trainer: pl.Trainer, epoch: Epoch) -> None:
+def end_epoch_with(trainer: pl.Trainer, epoch: Epoch) -> None:
     """Make Lightning's fetcher end the epoch where ``epoch`` ends (a stream's end moves window by window). Relies
     on: for a sized loader ``_DataFetcher.done`` is ``fetched >= length`` (``len()`` at ``iter()``; no prefetch); the
     epoch loop copies it into ``batch_progress.is_last_batch``, which the stepping rule and the loop's end read."""

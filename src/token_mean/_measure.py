@@ -20,8 +20,9 @@ from token_mean.errors import DenominatorError
 from token_mean.results import WindowStats
 
 _FAILED = (
-    "`count_fn` failed or returned something that is not a number",
-    "make `count_fn(batch)` return an int, a float or a one-element tensor for every batch.",
+    "`count_fn` failed, or returned something that is not a number, or a negative, NaN or infinite count",
+    "make `count_fn(batch)` return an int, a float or a one-element tensor, a finite number of valid items or sum of"
+    " non-negative weights, for every batch.",
 )
 
 
@@ -58,7 +59,8 @@ class MeasuredWindow:
         all-reduce of [N, loss sum, naive sum, failed ranks, every rank's count], read once."""
         world = self.world
         zero = torch.zeros((), dtype=torch.float64, device=world.device)
-        valid = torch.nan_to_num(torch.stack(self._counts or [zero]).clamp(min=0.0), nan=0.0, posinf=0.0)
+        counts = torch.stack(self._counts or [zero])
+        valid = torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)
         naive = torch.stack(self._naive or [zero]).to(world.device, torch.float64)
         # a bad count counts nothing; a NaN loss is the strategy's to judge, not the measurement's
         weights = valid if self.mean else (valid > 0).to(valid.dtype)
@@ -66,7 +68,8 @@ class MeasuredWindow:
         local = valid.sum()
         per_rank = torch.zeros(2 * world.size, dtype=torch.float64, device=world.device)
         per_rank[world.rank] = local
-        per_rank[world.size + world.rank] = float(bool(self._failed))
+        # a count that failed on the host, or is negative or not finite (NaN != NaN): its rank raises
+        per_rank[world.size + world.rank] = (valid != counts).sum() + float(bool(self._failed))
         record = torch.cat([torch.stack([local, loss_sum, naive.sum()]), per_rank])
         if world.distributed:
             dist.all_reduce(record, group=world.group)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from lightning.fabric.utilities import rank_zero_warn
@@ -39,10 +39,15 @@ from token_mean._window import (
 )
 from token_mean.results import WindowStats
 
-Counts = tuple[int, list[Any], Any, float]
-"""A window's counts, known before its first forward: where it stops, this rank's count at each of its positions (0
-for a filler), N, and its real micro-batches over all ranks (what 'aux_loss' is averaged over). An objective of
-several terms has a tuple of counts at each position and a tuple of N, one per term."""
+
+class Counts(NamedTuple):
+    """A window's counts, known before its first forward. An objective of several terms has a tuple of counts at each
+    position and a tuple of N, one per term."""
+
+    stop: int  # one past its last position
+    local: list[Any]  # this rank's count at each of its positions (0 for a filler)
+    global_count: Any  # N
+    real: float  # its real micro-batches over all ranks (what 'aux_loss' is averaged over)
 
 
 class Mode:
@@ -116,14 +121,14 @@ class Lookahead(Mode):
         entries = reader.entries(start, stop)
         stop = start + len(entries)  # fewer where a loader that yields nothing ends
         nothing = (0.0,) * len(self.settings.terms) if self.settings.terms else 0.0
-        window = kind(self, start, stop, accumulate, step, (stop, [], nothing, 0.0), reader.unchanged)
-        local, host = self.announce(entries, window)
+        window = kind(self, start, stop, accumulate, step, Counts(stop, [], nothing, 0.0), reader.unchanged)
+        local, host = self.count_following(entries, window)
         reduced = self.channel.reduce(Kind.FIRST_COUNTS, host, flags=window.flags)
         reduced.check(window.where, window.detail)
-        window.known(self.accept(reduced, stop, local, window, lambda: window.where))
+        window.set_counts(self.agreed_counts(reduced, stop, local, window, lambda: window.where))
         return window
 
-    def announce(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
+    def count_following(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
         """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``; with
         several terms, each term's count of each batch (:meth:`_announce_terms`)."""
         if self.settings.terms:
@@ -176,14 +181,16 @@ class Lookahead(Mode):
             host[self.channel.term_slot(t, TERM_NEXT_COUNT)] = total  # type: ignore[index]
         return local, host
 
-    def accept(self, reduced: Reduced, stop: int, local: list[Any], window: Window, where: Callable[[], str]) -> Counts:
+    def agreed_counts(
+        self, reduced: Reduced, stop: int, local: list[Any], window: Window, where: Callable[[], str]
+    ) -> Counts:
         """The announced counts of the window ``where`` names, which ends at ``stop``, raising an N that cannot
         normalize before its use (``window``: the one whose record brought them); several terms: an N per term."""
         terms = len(self.settings.terms)
         counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
         for global_count in counts:
             check_global_count(window, global_count, self.world_size * window.accumulate, where)
-        return stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL]
+        return Counts(stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL])
 
 
 class _LookaheadWindow(Window):
@@ -212,9 +219,9 @@ class _LookaheadWindow(Window):
         self._lookahead = lookahead
         self._unchanged = unchanged
         self._next_local: list[float] = []
-        self.known(counts)
+        self.set_counts(counts)
 
-    def known(self, counts: Counts) -> None:
+    def set_counts(self, counts: Counts) -> None:
         _, self._read, self._n, self._real = counts  # this rank's counts read ahead; N; real micro-batches
         # the reduction averages over P: an item's share of 1/N
         self._share = scale_of(self._lookahead.world_size, self._n)
@@ -241,7 +248,7 @@ class _LookaheadWindow(Window):
                 self.flag(Problem.NO_LOSS)
             self.add(micro.count, output.loss, filler=False, aux=output.aux_loss)
         if micro.last:
-            self._next_local, host = self._lookahead.announce(self._following, self)
+            self._next_local, host = self._lookahead.count_following(self._following, self)
             self.close(host)
         return self._scaled(micro, output)
 
@@ -261,11 +268,13 @@ class _LookaheadWindow(Window):
         """The one host read, which also brings the next window's counts: every problem raised before the update."""
         reduced, local = self.read()
         stop = self.stop + len(self._next_local)
-        next_counts = self._lookahead.accept(reduced, stop, self._next_local, self, lambda: self.where_next(stop))
+        next_counts = self._lookahead.agreed_counts(
+            reduced, stop, self._next_local, self, lambda: self.where_next(stop)
+        )
         real = self._real
         aux = reduced[Slot.AUX_SUM] / real if self.aux and real else None
         stats = self.stats(reduced, local, self._n, aux)
-        return stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts
+        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
 
     def where_next(self, stop: int) -> str:
         return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
@@ -275,7 +284,7 @@ class _TermsWindow(_LookaheadWindow):
     """A lookahead window of an objective of several terms: each term's counts read ahead, each term's loss scaled by
     P·n_t/N_t (a sum-reduced term by P/N_t), and each term's count and loss sum in three slots of the record."""
 
-    def known(self, counts: Counts) -> None:
+    def set_counts(self, counts: Counts) -> None:
         _, self._read, self._n, self._real = counts
         self._shares = [scale_of(self._lookahead.world_size, count) for count in self._n]
         self._term_counts: list[tuple[float, ...]] = []
@@ -296,7 +305,7 @@ class _TermsWindow(_LookaheadWindow):
         self._term_counts.append(counts)
         self._term_losses.append([None if loss is None else loss.detach() for loss in losses])
         if micro.last:
-            self._next_local, host = self._lookahead.announce(self._following, self)
+            self._next_local, host = self._lookahead.count_following(self._following, self)
             self.close(host)
         scaled = None
         for loss, count, (_, _, reduction), share in zip(losses, counts, terms, self._shares, strict=True):
@@ -359,7 +368,9 @@ class _TermsWindow(_LookaheadWindow):
     def end(self) -> Ended:
         reduced, local = self.read()
         stop = self.stop + len(self._next_local)
-        next_counts = self._lookahead.accept(reduced, stop, self._next_local, self, lambda: self.where_next(stop))
+        next_counts = self._lookahead.agreed_counts(
+            reduced, stop, self._next_local, self, lambda: self.where_next(stop)
+        )
         terms = {}
         for t, (name, _, _) in enumerate(self._lookahead.settings.terms):
             global_count = self._n[t]
@@ -370,7 +381,7 @@ class _TermsWindow(_LookaheadWindow):
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
         stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
-        return stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts
+        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
 
 
 def _fsum(values: Iterable[float]) -> float:
@@ -415,7 +426,7 @@ class Deferred(Mode):
             self._provisional = torch.clamp(estimate.to(torch.float64), min=1.0)
         return self._provisional
 
-    def follow(self, global_count: float) -> None:
+    def next_provisional(self, global_count: float) -> None:
         """A window with ``global_count`` items ended: the next windows' backward passes use its N/P as their D."""
         if global_count > 0:
             self._provisional = torch.full(
@@ -503,5 +514,5 @@ class _DeferredWindow(Window):
         reduced, local = self.read()
         global_count = reduced[Slot.COUNT]
         check_global_count(self, global_count, 1.0, lambda: self.where)
-        self._deferred.follow(global_count)
-        return self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None
+        self._deferred.next_provisional(global_count)
+        return Ended(self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None)

@@ -38,10 +38,21 @@ from token_mean._reader import Entry
 from token_mean._record import NO_SLOTS, Channel, Device, Exchange, Flags, Kind, Reduced, Slot, raise_lines
 from token_mean.results import WindowStats
 
-PassEnd = tuple[Mapping[Slot, float], Sequence[tuple[Problem, str]]]
-"""What a window's record carries about its pass's end (host slots, problems), from the pass."""
-Check = tuple[Tensor | float, Tensor | float, Tensor | None]
-"""Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
+
+class PassEnd(NamedTuple):
+    """What a window's record carries about its pass's end, from the pass."""
+
+    slots: Mapping[Slot, float]
+    problems: Sequence[tuple[Problem, str]]
+
+
+class Check(NamedTuple):
+    """Two sides that must agree, and the FIRST hint of a 'num_items' mismatch."""
+
+    left: Tensor | float
+    right: Tensor | float
+    hint: Tensor | None
+
 
 _CHECK_SLOTS = {  # the slots that explain a failed check: its two sides, summed where they differ
     Problem.NUM_ITEMS_MISMATCH_COUNT_FN: (Slot.REPORTED, Slot.COUNTED),
@@ -129,10 +140,13 @@ class MicroBatch:
         self.backprop = None
 
 
-Ended = tuple[WindowStats, float, bool, Any]
-"""What a window's end gives the pass that opened it: its stats, how many ranks hold a real batch after it (a
-stream's end is agreed from it), whether some rank could not look past it before the last backward (the pass then
-agrees after it), and, in lookahead, the next window's counts, which came with this window's record."""
+class Ended(NamedTuple):
+    """What a window's end gives the pass that opened it."""
+
+    stats: WindowStats
+    ranks_with_more: float  # ranks holding a real batch after it (a stream's end is agreed from it)
+    unsure: bool  # some rank could not look past it before the last backward (the pass then agrees after it)
+    next_counts: Any  # lookahead: the next window's counts, which came with this window's record
 
 
 class Window:
@@ -179,7 +193,7 @@ class Window:
         self.detail = ""  # what this rank saw of its first host-side problem (a note of the error)
         self.real = 0  # micro-batches that are not fillers
         self._following: Sequence[Entry] = ()  # lookahead: the next window's batches, counted in this record
-        self._pass_end: PassEnd = (NO_SLOTS, ())
+        self._pass_end = PassEnd(NO_SLOTS, ())
         self._exchange: Exchange | None = None  # from the last forward on
         self._local: Tensor | float = 0.0  # this rank's count, read with the record
 
@@ -208,7 +222,7 @@ class Window:
         """The micro-batch's count where it is known before its forward (lookahead), else 0."""
         return 0.0
 
-    def ahead(self, following: Sequence[Entry], pass_end: PassEnd) -> None:
+    def receive_following(self, following: Sequence[Entry], pass_end: PassEnd) -> None:
         """Before the last micro-batch: the next window's batches (lookahead counts them in this window's record)
         and what the record carries about the pass's end."""
         self._following, self._pass_end = following, pass_end
@@ -240,7 +254,7 @@ class Window:
         self, problem: Problem, left: Tensor | float, right: Tensor | float, hint: Tensor | None = None
     ) -> None:
         """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
-        self.pairs.setdefault(problem, []).append((left, right, hint))
+        self.pairs.setdefault(problem, []).append(Check(left, right, hint))
 
     def add_to(self, slot: Slot, value: Tensor) -> None:
         """Add a device value to ``slot`` of the record (``NAIVE``)."""

@@ -187,7 +187,7 @@ class TokenMeanStrategy(ParallelStrategy):
             # `optimizer_step` override skips the step
             self._last_window = passes.current.end_window()
             if self._fitting is not None:
-                _lightning.follow(self._fitting, passes.current)  # a stream goes on, or ends
+                _lightning.end_epoch_with(self._fitting, passes.current)  # a stream goes on, or ends
         return loss
 
     @override
@@ -212,7 +212,7 @@ class TokenMeanStrategy(ParallelStrategy):
                 observer.ended(replay, micro.window.where)
         if self._last_window is not None and self._last_window.skipped:
             return None
-        return super().optimizer_step(optimizer, once(result), model, **kwargs)
+        return super().optimizer_step(optimizer, closure_run_already(result), model, **kwargs)
 
     @override
     def teardown(self) -> None:
@@ -321,7 +321,7 @@ def check_fit(name: str, trainer: pl.Trainer, handles_gradient_accumulation: boo
             )
 
 
-def once(result: Any) -> Callable[[], Any]:
+def closure_run_already(result: Any) -> Callable[[], Any]:
     """The closure the optimizer gets: the window's last micro-batch already ran, and must not run again."""
     calls = 0
 
