@@ -8,6 +8,7 @@ micro-batches. ``DenominatorMonitor`` logs each step's N and flags divergence fr
 
 from importlib import metadata as _metadata
 
+from token_mean import _versions  # noqa: F401  (first: refuses a torch, Lightning or torchmetrics older than tested)
 from token_mean._counts import (
     IGNORE_INDEX,
     ClassWeightedCount,
