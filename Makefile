@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast stress lint bench gpu clean
+.PHONY: demo test test-fast compat stress lint bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -21,6 +21,12 @@ test: $(STAMP)
 # Development lane: everything but the tests that launch real subprocesses (`slow`); doctests included.
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow"
+
+# The full suite on the oldest and the newest torch pyproject.toml declares (.ci/compat): each in a venv cached under
+# ~/.cache/token-mean/, built on first use (a CUDA build of torch from the package index, ~5 GB each), about 12 minutes
+# a suite on 2 cores. `.ci/compat oldest -m "not slow"` for one end and pytest's arguments.
+compat:
+	.ci/compat
 
 # Every test file that starts processes, 20 consecutive runs each (a test that fails one run in twenty is a defect):
 # about three hours on 2 cores. `tests/stress.py --help` for fewer runs, some files, or only the fast lane.

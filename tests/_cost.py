@@ -62,6 +62,10 @@ _COUNT_FNS = (count_valid_labels.__code__, count_shifted_labels.__code__)  # the
 _THIS_FILE = __file__
 _READS_WITHOUT_AN_OP = ("tolist", "numpy", "cpu")  # host reads that dispatch no aten op (item() dispatches one)
 Tally = collections.Counter[str]
+# torch 2.6 to 2.9 show a Python dispatch mode each `detach` twice in a row (`x.detach()` dispatches
+# aten.detach.default two times; `.numpy()`'s detach too); from 2.10 on once (probed on 2.6, 2.7.1, 2.8.0, 2.9.1,
+# 2.10.0, 2.15.0). The counter takes each pair as one op, so that the pinned counts say the same on every torch.
+_DETACH_DISPATCHED_TWICE = torch.__version__ < (2, 10)
 
 
 def wrap_around(owner: Any, name: str, before: Callable[[], None] | None, after: Callable[[], None] | None) -> None:
@@ -102,8 +106,13 @@ class _Dispatch(TorchDispatchMode):
     def __init__(self, counter: CostCounter) -> None:
         super().__init__()
         self.counter = counter
+        self._second_detach = False
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        if _DETACH_DISPATCHED_TWICE and func is torch.ops.aten.detach.default:
+            self._second_detach = not self._second_detach
+            if not self._second_detach:
+                return func(*args, **(kwargs or {}))
         self.counter.dispatched(str(func.overloadpacket.__name__), func.namespace)
         return func(*args, **(kwargs or {}))
 

@@ -15,6 +15,7 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import _old_torch  # noqa: F401  (FSDP2 on the CPU under torch 2.6)
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
@@ -23,6 +24,12 @@ from torch import Tensor, nn
 from torch.utils.data import DataLoader, Dataset, IterableDataset
 
 FEATURES, CLASSES = 5, 7
+# The hidden width. 6 splits unevenly 4 ways: on the suite's 2 × 2 FSDP2 × TP mesh that covers FSDP2's strided
+# uneven sharding. torch 2.6 and 2.7 refuse it in `fully_shard` ("FSDP+TP sharding does not support uneven sharding
+# for now"); 2.8 and 2.9 train it right but gather it wrong (`full_tensor()` of such a gradient missed the unsharded
+# one by 0.68 relative in a probe, while the losses after 3 steps agreed exactly); 2.10 on is right. Below 2.10 the
+# width is 8, and that one case goes untested there.
+HIDDEN = 6 if torch.__version__ >= (2, 10) else 8
 IGNORE_INDEX = -100
 EXACT = 1e-12  # "exact": relative parameter error against the float64 reference
 MODES = ("lookahead", "deferred")
@@ -117,8 +124,8 @@ def empty_like(batch: Batch) -> Batch:
 class TokenNet(nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.hidden = nn.Linear(FEATURES, 6, dtype=torch.float64)
-        self.out = nn.Linear(6, CLASSES, dtype=torch.float64)
+        self.hidden = nn.Linear(FEATURES, HIDDEN, dtype=torch.float64)
+        self.out = nn.Linear(HIDDEN, CLASSES, dtype=torch.float64)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.tanh(self.hidden(x)))

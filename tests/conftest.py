@@ -7,6 +7,7 @@ import multiprocessing
 import os
 from collections.abc import Iterator
 
+import _old_torch  # noqa: F401  (FSDP2 on the CPU under torch 2.6)
 import pytest
 import torch
 import torch.distributed as dist

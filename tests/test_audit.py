@@ -19,6 +19,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from _harness import (
+    HIDDEN,
     SHORT_TIMEOUT,
     Batch,
     TokenModule,
@@ -326,7 +327,7 @@ def test_dropout_and_logged_metrics(tmp_path: Path, mode: str) -> None:
 class BatchNormModule(TokenModule):
     def __init__(self, data: list[list[Batch]]) -> None:
         super().__init__(data)
-        self.norm = torch.nn.BatchNorm1d(6, dtype=torch.float64)
+        self.norm = torch.nn.BatchNorm1d(HIDDEN, dtype=torch.float64)
 
     def training_step(self, batch: Batch, batch_idx: int) -> Any:
         hidden = self.net.hidden(batch["x"])

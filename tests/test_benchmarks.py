@@ -17,6 +17,7 @@ from typing import Any
 
 import pytest
 from _gpu import cuda_devices
+from _old_torch import FSDP2_RUNS_ON_CPU, NO_FSDP2_ON_CPU
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
@@ -113,6 +114,7 @@ def test_overhead_quick(tmp_path: Path) -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=NO_FSDP2_ON_CPU)
 def test_model_parallel_quick(tmp_path: Path) -> None:
     payload = run_script("model_parallel", tmp_path)
     for key in ("ratio_lookahead", "ratio_deferred"):

@@ -62,11 +62,39 @@ PINNED: dict[str, list[tuple[str, ...]]] = {
 }
 
 
+# The absolute rows' aten ops (per micro-batch, per window) are torch's and Lightning's own work and differ by torch
+# release (under the Trainer, 2.6 detaches 2 tensors fewer per micro-batch than 2.13): the pinned tables hold 2.13's,
+# these the releases the suite was run on. On another release those two cells are not compared; every extra (the
+# package's own cost) is, on every release.
+ABSOLUTE_OPS: dict[tuple[int, ...], dict[str, tuple[str, str]]] = {
+    (2, 6): {"plain (absolute)": ("47", "212"), "LitGPT loop (absolute)": ("56", "248")},
+    **{
+        release: {"plain (absolute)": ("49", "220"), "LitGPT loop (absolute)": ("55", "244")}
+        for release in ((2, 13), (2, 14), (2, 15))
+    },
+}
+
+
+def as_pinned(rows: list[list[str]], pinned: list[tuple[str, ...]]) -> tuple[list[tuple[str, ...]], ...]:
+    """The measured rows and the pinned ones, the absolute rows' op cells set to this torch's (or left out)."""
+    release = tuple(int(part) for part in torch.__version__.split(".")[:2])
+    ops = ABSOLUTE_OPS.get(release)
+    measured, expected = [tuple(cells[1:]) for cells in rows], list(pinned)
+    for index, row in enumerate(expected):
+        if row[0].endswith("(absolute)"):
+            cells = ops[row[0]] if ops is not None else ("?", "?")
+            expected[index] = (*row[:6], *cells, *row[8:])
+            if ops is None:
+                measured[index] = (*measured[index][:6], "?", "?", *measured[index][8:])
+    return measured, expected
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("loader", LOADERS)
 def test_cost_is_pinned(tmp_path: Path, loader: str) -> None:
     rows = measure(loader, tmp_path)
-    assert [tuple(cells[1:]) for cells in table_rows(rows)] == PINNED[loader]
+    measured, expected = as_pinned(table_rows(rows), PINNED[loader])
+    assert measured == expected
 
     # What the strategy promises about its cost, asserted one by one so that a failure names the promise it broke.
     costs = {(row.method, row.monitor): row.cost for row in rows}
@@ -148,7 +176,8 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
 @pytest.mark.parametrize("loader", LOADERS)
 def test_fabric_cost_is_pinned(tmp_path: Path, loader: str) -> None:
     rows = _fabric_cost.measure(loader, tmp_path)
-    assert [tuple(cells[1:]) for cells in table_rows(rows)] == FABRIC_PINNED[loader]
+    measured, expected = as_pinned(table_rows(rows), FABRIC_PINNED[loader])
+    assert measured == expected
 
     costs = {row.method: row.cost for row in rows}
     assert costs["litgpt"].gradient_per_window == {"allreduce": 1}  # DDP's own, one bucket

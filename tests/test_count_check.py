@@ -21,7 +21,7 @@ import _harness
 import pytest
 import torch
 import torch.nn.functional as F
-from _harness import CLASSES, EXACT, IGNORE_INDEX, MODES, Batch, TokenModule, TokenNet, fit, strategy_for
+from _harness import CLASSES, EXACT, HIDDEN, IGNORE_INDEX, MODES, Batch, TokenModule, TokenNet, fit, strategy_for
 from _mesh import MeshModule
 from _ranks import raises_everywhere
 from torch import Tensor, nn
@@ -145,7 +145,7 @@ class DropoutNet(TokenNet):
 class BatchNormNet(TokenNet):
     def __init__(self) -> None:
         super().__init__()
-        self.norm = nn.BatchNorm1d(6, dtype=torch.float64)
+        self.norm = nn.BatchNorm1d(HIDDEN, dtype=torch.float64)
 
     def forward(self, x: Tensor) -> Tensor:
         return self.out(torch.tanh(self.norm(self.hidden(x).transpose(1, 2)).transpose(1, 2)))

@@ -16,6 +16,7 @@ from typing import cast
 import pytest
 import torch
 from _jobs import run_job
+from _old_torch import FSDP2_RUNS_ON_CPU, NO_FSDP2_ON_CPU
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
@@ -109,7 +110,13 @@ def fabric_template_counts(devices: int, accumulate: int, max_steps: int, micro_
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize(("strategy", "mode"), [("ddp", "lookahead"), ("fsdp", "deferred")])
+@pytest.mark.parametrize(
+    ("strategy", "mode"),
+    [
+        ("ddp", "lookahead"),
+        pytest.param("fsdp", "deferred", marks=pytest.mark.skipif(not FSDP2_RUNS_ON_CPU, reason=NO_FSDP2_ON_CPU)),
+    ],
+)
 def test_fabric_template_trains_on_two_cpu_processes(tmp_path: Path, strategy: str, mode: str) -> None:
     """Fabric's subprocess launcher re-runs the script (ModelParallelStrategy has no other); every step's N in the
     trace is the recount of the batches Fabric's sampler gave the two ranks."""

@@ -18,7 +18,7 @@ from _harness import CLASSES, FEATURES, FORK, TokenNet, initial_state
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, Sampler
-from torchmetrics import MeanMetric
+from torchmetrics import MeanMetric, Metric
 
 from token_mean import ExactDistributedSampler, TokenMeanLoss, count_valid_labels
 
@@ -87,6 +87,10 @@ def test_states_stay_float64(convert: Callable[[TokenMeanLoss], TokenMeanLoss]) 
     assert metric.loss_sum.dtype == torch.float64 and metric.count.item() == 0.0
 
 
+@pytest.mark.skipif(
+    not hasattr(Metric, "merge_state"),
+    reason="Metric.merge_state came in torchmetrics 1.6; the SUM over real ranks is tested below on every version",
+)
 def test_merged_shares_equal_the_whole() -> None:
     """Two 'ranks' merged with the states' SUM reduction equal one metric over all updates."""
     generator = torch.Generator().manual_seed(0)
@@ -191,7 +195,8 @@ def test_validation_loss_is_exact_when_every_item_is_evaluated_once(tmp_path: Pa
     [results] = trainer.validate(ValidationModule(sampler))
     expected = reference_loss()
     if name == "lightning-default":
-        # the control: item 0 counted twice, which moves the loss by more than 1e-3 of it on these 7 items
-        assert abs(results["val_loss"] - expected) > 1e-3 * expected
+        # the control: item 0 counted twice, which moves the loss by more than 1e-4 of it on these 7 items (1.0e-2
+        # with the harness's hidden width 6, 2.5e-4 with the 8 it has below torch 2.10), far beyond EXACT
+        assert abs(results["val_loss"] - expected) > 1e-4 * expected
     else:
         assert results["val_loss"] == pytest.approx(expected, rel=EXACT)

@@ -88,6 +88,13 @@ def test_uneven_data_parallel_ranks(tmp_path: Path, mode: str) -> None:
     assert windows[2]["rank_counts"][1] == 0.0  # the third window (batch 6) is all filler on rank 1
 
 
+# torch before 2.10 clips DTensor gradients by max_norm / (‖g‖ + c·1e-6) with c ≠ 1: `clip_grad_norm_` adds its
+# 1e-6 to the norm while it is still a partial (`_NormPartial`) on each rank, before the reduction. On this 2 × 2
+# mesh that misses the unsharded clip by 1.5e-7 relative, plain torch without the package alike (probed on 2.6 to
+# 2.9); from 2.10 on it is exact. The test's control (clipping moves the result by more than 1e-3) still holds.
+CLIPPED_EXACT = EXACT if torch.__version__ >= (2, 10) else 1e-6
+
+
 @pytest.mark.distributed
 @pytest.mark.parametrize("mode", MODES)
 def test_clipping_by_norm_acts_on_the_final_gradient(tmp_path: Path, mode: str) -> None:
@@ -100,7 +107,7 @@ def test_clipping_by_norm_acts_on_the_final_gradient(tmp_path: Path, mode: str) 
     expected, _ = reference(data, constant(3), clip_norm=value)
     unclipped, _ = reference(data, constant(3))
     assert relative_error(unclipped, expected) > 1e-3, "the threshold did not clip: the test could not fail"
-    assert relative_error(params, expected) < EXACT
+    assert relative_error(params, expected) < CLIPPED_EXACT
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -177,15 +184,24 @@ def test_resume_from_distributed_checkpoint(tmp_path: Path, mode: str) -> None:
     assert [w["global_count"] for w in windows] == counts[1:], "the resumed run trained on other batches"
 
 
+# torch 2.8 renamed FSDP2's `set_reduce_scatter_divide_factor` (a PREMUL_SUM reduce op in 2.6 and 2.7, which keeps
+# no factor to show) to `set_gradient_divide_factor`; the strategy names the call the user made
+OWN_DIVIDE, OWN_DIVIDE_SHOWN = (
+    ("set_gradient_divide_factor", r"set_gradient_divide_factor\(1.0\)")
+    if torch.__version__ >= (2, 8)
+    else ("set_reduce_scatter_divide_factor", r"set_reduce_scatter_divide_factor\(\.\.\.\)")
+)
+
+
 class DividedModule(MeshModule):
     def configure_model(self) -> None:
         super().configure_model()
-        self.net.set_gradient_divide_factor(1.0)  # type: ignore[operator]
+        getattr(self.net, OWN_DIVIDE)(1.0)
 
 
 @pytest.mark.distributed
 def test_own_gradient_divide_factor_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match=r"set_gradient_divide_factor\(1.0\)"):
+    with pytest.raises(Exception, match=OWN_DIVIDE_SHOWN):
         fit(DividedModule(ragged_batches(2, 2)), strategy_for("lookahead", 2, 1), tmp_path)
 
 

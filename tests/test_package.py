@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 import tomllib
+import warnings
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,7 @@ from packaging.requirements import Requirement
 from packaging.version import Version
 
 import token_mean
+from token_mean._versions import check_versions
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -66,3 +68,46 @@ def test_import_registers_the_strategy_names() -> None:
             process.wait()
     assert processes[0].returncode != 0 and "invalid strategy name" in without, without[-2000:]
     assert processes[1].returncode == 0, with_import[-2000:]
+
+
+# ---- the declared range, checked at import ----
+
+DECLARED = ["torch<2.16,>=2.6", "lightning<2.7,>=2.6.0", "torchmetrics<1.10,>=1.5", 'matplotlib>=3.7; extra == "plot"']
+IN_RANGE = {"torch": "2.6.0+cu124", "lightning": "2.6.0", "torchmetrics": "1.5.0", "matplotlib": "3.1"}
+
+
+def test_the_installed_versions_lie_in_the_declared_range() -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_versions()  # this environment's own, read from the installed metadata as `import token_mean` does
+        check_versions(DECLARED, IN_RANGE.__getitem__)  # the floors themselves; an extra's requirement is not checked
+
+
+@pytest.mark.parametrize(
+    ("name", "found"), [("torch", "2.5.1+cu124"), ("lightning", "2.5.6"), ("torchmetrics", "1.4.3")]
+)
+def test_an_older_dependency_is_refused_with_the_fix(name: str, found: str) -> None:
+    requirement = next(text for text in DECLARED if text.startswith(name))
+    with pytest.raises(ImportError, match=rf"needs {requirement} .* has {name} {re.escape(found)}\. Upgrade it, e\.g\."
+                       rf" `pip install '{requirement}'`"):
+        check_versions(DECLARED, {**IN_RANGE, name: found}.__getitem__)
+
+
+@pytest.mark.parametrize(("name", "found"), [("torch", "2.16.0"), ("torch", "2.16.0.dev20261201+cpu"),
+                                             ("lightning", "2.7.0rc1"), ("torchmetrics", "1.10.0")])
+def test_a_newer_dependency_warns_once(name: str, found: str) -> None:
+    with pytest.warns(UserWarning, match=rf"{name} {re.escape(found)} is newer and untested") as caught:
+        check_versions(DECLARED, {**IN_RANGE, name: found}.__getitem__)
+    assert len(caught) == 1
+
+
+def test_the_compat_ends_are_the_declared_floors() -> None:
+    """`.ci/compat` runs the suite at the floor of every declared range, and at a torch inside it."""
+    script = (ROOT / ".ci" / "compat").read_text()
+    ends = {end: dict(pin.split("==") for pin in re.search(rf'^{end}_PINS="(.*)"$', script, re.M)[1].split())
+            for end in ("OLDEST", "NEWEST")}
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    for requirement in map(Requirement, project["dependencies"]):
+        floor = next(Version(spec.version) for spec in requirement.specifier if spec.operator == ">=")
+        assert Version(ends["OLDEST"][requirement.name]) == floor, requirement
+        assert Version(ends["NEWEST"][requirement.name]) in requirement.specifier, requirement

@@ -8,6 +8,9 @@ micro-batches. ``DenominatorMonitor`` logs each step's N and flags divergence fr
 
 from importlib import metadata as _metadata
 
+from token_mean import _versions  # noqa: F401  (first: refuses a torch, Lightning or torchmetrics older than tested)
+
+# isort: split
 from token_mean import _audit  # noqa: F401  (a layer: importing it registers the count check with the front ends)
 from token_mean._counts import (
     IGNORE_INDEX,

@@ -189,13 +189,12 @@ def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
     """Whether any module of ``model`` is sharded; a ``ValueError`` unless every FSDP2 group averages its gradients
     over the ``data_parallel`` ranks."""
     found = list(_torch.fsdp_reductions(model))
-    for module, ranks, divide_factor in found:
+    for module, ranks, custom_divide in found:
         where = f"`{module}`" if module else "the root module"
-        if divide_factor is not None:
+        if custom_divide is not None:
             raise ValueError(
                 f"`{owner}` applies the global token count itself, relying on FSDP2's default mean over the"
-                f" {data_parallel} data-parallel ranks, but {where} has"
-                f" `set_gradient_divide_factor({divide_factor!r})`. Remove that call."
+                f" {data_parallel} data-parallel ranks, but {where} has `{custom_divide}`. Remove that call."
             )
         if ranks != data_parallel:
             raise ValueError(

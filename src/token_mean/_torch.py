@@ -1,5 +1,7 @@
-"""Every touch of torch's (and torchmetrics') private internals, each with the behaviour it relies on (torch 2.13,
-torchmetrics 1.9): one file to check."""
+"""Every touch of torch's (and torchmetrics') private internals, each with the behaviour it relies on: one file to
+check. Checked by the suite on torch 2.6.0, 2.13.0 and 2.15.0 (torchmetrics 1.5.0 and 1.9.0); the FSDP2 ones also
+read in the released sources of 2.7.1, 2.8.0, 2.9.1, 2.10.0, 2.11.0 and 2.12.1, and where one changed in between,
+its note says in which release."""
 
 from __future__ import annotations
 
@@ -17,27 +19,43 @@ from torch.nn import Module
 def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
     """Each FSDP2 parameter group of ``model``, with its module's name.
 
-    Relies on: ``FSDPModule._get_fsdp_state()._fsdp_param_groups`` lists the groups ``fully_shard`` made.
+    Relies on: ``FSDPModule._get_fsdp_state()`` holds the groups ``fully_shard`` made: the list
+    ``_fsdp_param_groups`` from torch 2.12 on (``_fsdp_param_group`` is then a property that raises for several),
+    the one group or None ``_fsdp_param_group`` in 2.6 to 2.11. Read directly, so that a later rename raises here
+    rather than leave a sharded model looking unsharded.
     """
     from torch.distributed.fsdp import FSDPModule
 
     for name, module in model.named_modules():
         if isinstance(module, FSDPModule):
-            for group in getattr(module._get_fsdp_state(), "_fsdp_param_groups", ()):
+            state = module._get_fsdp_state()
+            if hasattr(state, "_fsdp_param_groups"):
+                groups = list(state._fsdp_param_groups)
+            else:
+                group = state._fsdp_param_group
+                groups = [] if group is None else [group]
+            for group in groups:
                 yield name, group
 
 
-def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, float | None]]:
-    """``(module name, ranks reduced over, divide factor or None for their mean)`` per FSDP2 parameter group.
+def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, str | None]]:
+    """``(module name, ranks reduced over, the call that replaced their mean or None)`` per FSDP2 parameter group.
 
-    Relies on: a group's ``mesh_info`` (``shard_mesh_size``, under HSDP ``replicate_mesh_size``) and
-    ``gradient_divide_factor``; ``foreach_reduce`` divides by that factor, or by shard × replicate size when None,
-    for every reduce dtype (``_get_gradient_divide_factors``).
+    Relies on: a group's ``mesh_info`` (``shard_mesh_size``, under HSDP ``replicate_mesh_size``; 2.6 to 2.15) and,
+    from torch 2.8 on, ``gradient_divide_factor`` (``set_gradient_divide_factor``): ``foreach_reduce`` divides by
+    that factor, or by shard × replicate size when None, for every reduce dtype (``_get_gradient_divide_factors``).
+    In 2.6 and 2.7 ``set_reduce_scatter_divide_factor`` instead sets ``reduce_scatter_reduce_op`` to a ``PREMUL_SUM``
+    in place of the mean (the factor is not kept), and the mean is taken when that op is None.
     """
     for name, group in fsdp_param_groups(model):
         mesh_info = group.mesh_info
         ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
-        yield name, ranks, group.gradient_divide_factor
+        if hasattr(group, "gradient_divide_factor"):
+            factor = group.gradient_divide_factor
+            yield name, ranks, None if factor is None else f"set_gradient_divide_factor({factor!r})"
+        else:
+            custom = group.reduce_scatter_reduce_op is not None
+            yield name, ranks, "set_reduce_scatter_divide_factor(...)" if custom else None
 
 
 def is_sharded(module: Module, recurse: bool = True) -> bool:
