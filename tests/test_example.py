@@ -217,19 +217,20 @@ def test_reference_batches_are_the_ddp_steps() -> None:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_demo_end_to_end(tmp_path: Path) -> None:
-    """Two layouts of one global batch (P×K = 1×2, 2×1; micro-batches of 2 samples, so they hold other samples in
-    each): both token-mean runs stay on the reference, the plain runs leave it and each other."""
+    """Two cuts of one global batch on 2 processes (P×K = 2×2; micro-batches of 2 samples, dealt at random or by
+    length, so that from step 1 on they hold other samples in each): both token-mean runs stay on the reference, the
+    plain runs leave it and each other."""
     out = tmp_path / "demo"
     command = [
         sys.executable, str(EXAMPLES / "masked_lm.py"), "--steps=3", "--micro-batch-size=2", "--limit=60",
-        "--layouts", "1x2", "2x1", f"--out={out}",
+        "--layouts", "2x2", "--cuts", "random", "length", f"--out={out}",
     ]  # fmt: skip
     done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith(f"Run folder: {out}")
     # One line per run and the table: no progress bars, model summaries or Lightning banners from the sub-runs.
     assert len(done.stdout.splitlines()) <= 18, done.stdout
-    names = ["reference", "token_mean-1x2", "token_mean-2x1", "plain-1x2", "plain-2x1"]
+    names = ["reference", "token_mean-2x2", "token_mean-2x2-by-length", "plain-2x2", "plain-2x2-by-length"]
     started = [line.split()[:3] for line in done.stdout.splitlines() if line.startswith("run ")]
     assert started == [["run", f"{index}/5:", name] for index, name in enumerate(names, start=1)], done.stdout
     for noise in ("Epoch 0", "GPU available", "Initializing distributed", "Trainable params"):
@@ -246,12 +247,15 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert abs(runs[name]["val_loss"] - runs["reference"]["val_loss"]) <= LOSS_RTOL * runs["reference"]["val_loss"]
     for name in names[3:]:
         assert runs[name]["first_flagged_step"] is not None
-        assert runs[name]["max_abs_loss_deviation"] > 100 * runs["token_mean-2x1"]["max_abs_loss_deviation"]
+        assert runs[name]["max_abs_loss_deviation"] > 100 * runs["token_mean-2x2"]["max_abs_loss_deviation"]
         assert [audit["passed"] for audit in runs[name]["audits"]] == [False], runs[name]["audits"]
-    # plain DDP's objective depends on the layout: its two runs differ from each other, the token-mean runs do not
-    plain_gap = abs(losses["plain-1x2"][-1] - losses["plain-2x1"][-1])
-    assert plain_gap > 100 * abs(losses["token_mean-1x2"][-1] - losses["token_mean-2x1"][-1]), plain_gap
-    assert "FLAGGED" in done.stdout and "the final train losses of the 2 layouts span" in done.stdout
+    # plain DDP's objective depends on the cut: its two runs differ from each other, the token-mean runs do not
+    plain_gap = abs(losses["plain-2x2"][-1] - losses["plain-2x2-by-length"][-1])
+    assert plain_gap > 100 * abs(losses["token_mean-2x2"][-1] - losses["token_mean-2x2-by-length"][-1]), plain_gap
+    assert "FLAGGED" in done.stdout and "the final train losses of the 2 layouts and cuts span" in done.stdout
+    for name in names:  # the same held-out functions, with their names (--names is on by default): short targets
+        assert math.isfinite(runs[name]["val_loss_short"]), runs[name]
+        assert runs[name]["cut"] == (None if name == "reference" else "length" if "by-length" in name else "random")
     assert len({run["data_digest"] for run in runs.values()}) == 1
 
     assert (out / "layouts.png").stat().st_size > 0
@@ -261,6 +265,39 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         assert (out / name / "csv" / "metrics.csv").stat().st_size > 0
 
 
+def test_length_cut_deals_each_global_batch_sorted_by_length() -> None:
+    """Every whole global batch of the reference, sorted by length and cut into micro-batches dealt round the ranks;
+    the short last window of the epoch is left out on every rank alike."""
+    pairs = [(f"def f{index:02d}():\n", "x" * ((index * 37) % 101 + 1)) for index in range(29)]
+    dataset = stdlib_corpus.PairDataset(pairs, 64, 191)
+    devices, accumulate, micro_batch_size = 2, 2, 2  # 15 samples per rank: 3 whole windows of 4, then 3
+    reference = list(masked_lm.GlobalBatches(dataset, devices, accumulate, micro_batch_size, seed=3))
+    ranks = [
+        masked_lm.LengthGroupedBatches(dataset, devices, rank, accumulate, micro_batch_size, seed=3)
+        for rank in range(devices)
+    ]
+    dealt = [list(rank) for rank in ranks]
+    assert [len(batches) for batches in dealt] == [len(rank) for rank in ranks] == [6, 6]
+    length = [dataset[index]["input_ids"].numel() for index in range(len(dataset))]
+    for step in range(3):
+        micro_batches = [dealt[j % devices][step * accumulate + j // devices] for j in range(devices * accumulate)]
+        in_order = [index for batch in micro_batches for index in batch]
+        assert sorted(in_order) == sorted(reference[step])
+        assert [length[index] for index in in_order] == sorted((length[index] for index in in_order), reverse=True)
+
+
+def test_name_pairs_ask_for_each_defined_function() -> None:
+    pairs = [
+        ("def add(a, b):\n", "    return a + b\n"),
+        ("    async def fetch(self):\n", "    pass\n"),
+        ("# not a definition\n", "x = 1\n"),
+    ]
+    assert masked_lm.name_pairs(pairs) == [
+        (masked_lm.NAME_PROMPT + "    return a + b\n", "add"),
+        (masked_lm.NAME_PROMPT + "    pass\n", "fetch"),
+    ]
+
+
 def test_demo_refuses_layouts_of_other_global_batches() -> None:
     dataset = cast(Dataset[int], list(range(64)))
     with pytest.raises(SystemExit, match="every layout must hold the same P×K micro-batches"):
@@ -268,3 +305,6 @@ def test_demo_refuses_layouts_of_other_global_batches() -> None:
     with pytest.raises(SystemExit, match="step 4 is past the first epoch's whole global batches"):
         masked_lm.check_layouts(dataset, [(1, 8), (2, 4)], steps=5, micro_batch_size=2, seed=0)
     masked_lm.check_layouts(dataset, [(1, 8), (2, 4), (4, 2)], steps=4, micro_batch_size=2, seed=0)
+    # 58 samples: 3 whole global batches of 16, then 10, which the length cut would not deal
+    with pytest.raises(SystemExit, match="step 3 is past the first epoch's whole global batches"):
+        masked_lm.check_layouts(cast(Dataset[int], list(range(58))), [(2, 4)], steps=4, micro_batch_size=2, seed=0)
