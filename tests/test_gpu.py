@@ -11,8 +11,8 @@
   mode, under DDP and FSDP2 (``torch.cuda.set_sync_debug_mode``, ``tests/_sync.py``), with a control that reads on
   the host and is seen; with the count check on (the default), every window holds its K micro-batches.
 - The count check's host reads: once per fit, in the strategy's ``optimizer_step`` after the first window's last
-  backward and before the first optimizer step (three replays of ``training_step`` without gradient, seen reading on
-  the host there), never inside a window.
+  backward and before the first optimizer step (its replays of ``training_step`` without gradient, three per
+  micro-batch of the first window under DDP, seen reading on the host there), never inside a window.
 
 The same fits' bookkeeping is rehearsed on the CPU (``--cpu``: gloo, the watch warning where a CUDA tensor would
 synchronize), in the ``slow`` lane, so the assertions here run before they ever meet a GPU.
