@@ -9,14 +9,14 @@ outside torch as its origin (``token_mean``, ``lightning`` or ``other``) and its
   last backward (``LightningModule.backward``), with its phase: ``step`` inside the strategy's ``training_step`` and
   ``backward``, ``between`` in Lightning's loop between micro-batches. On a GPU a read here stalls the device
   before a backward is queued.
-- ``count_check``: inside the package's count check (``token_mean.strategy._count_check``, which the strategy's
-  ``optimizer_step`` runs after the fit's first window's last backward and before its update);
+- ``count_check``: inside the package's count check (``token_mean._audit.FirstWindowCheck.ended``, which the
+  strategy's ``optimizer_step`` runs after the fit's first window's last backward and before its update);
 - ``outside``: anything else, filed after the last window that ended (-1: before the first): the strategy's read of
   a window's record after its last backward, the optimizer step, the loop, the next batch.
 
 Every sync also carries ``steps``: the optimizer steps begun before it (``on_before_optimizer_step`` calls), so
 "after window w's last backward, before its optimizer step" is ``window == w and steps == w``. A ``training_step``
-without gradient is a replay (the count check's three forwards), filed in ``replays``, never as a micro-batch.
+without gradient is a replay (the count check's, three per micro-batch), filed in ``replays``, never as a micro-batch.
 
 Sync debug mode is process-wide, so the autograd engine's device threads (the backward, DDP's comm hook) are watched
 too; their warnings reach ``warnings.showwarning`` in the thread that issued them.
@@ -43,12 +43,12 @@ from lightning.pytorch.callbacks import Callback
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import token_mean
-import token_mean.strategy
+import token_mean._audit
 from token_mean import _lightning
 
 SYNC = "called a synchronizing CUDA operation"
 STAGES = ("inside", "count_check", "outside")
-COUNT_CHECK = "_count_check"  # token_mean.strategy's function: the fit's first-window count check, before the update
+COUNT_CHECK = "ended"  # token_mean._audit.FirstWindowCheck's method: the first window's count check, before the update
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TOKEN_MEAN_DIR = os.path.dirname(token_mean.__file__) + os.sep
 _LIGHTNING_DIR = os.path.dirname(lightning.__file__) + os.sep
@@ -187,11 +187,12 @@ class SyncWatch(Callback):
         self._wrap(strategy, "backward", lambda: setattr(self, "_phase", "step"), None)
         # ... and ends with the backward itself: the strategy's `backward` reads the window's record after it
         self._wrap(pl_module, "backward", None, self._backward_done)
-        original = getattr(token_mean.strategy, COUNT_CHECK, None)
+        check = token_mean._audit.FirstWindowCheck
+        original = check.__dict__.get(COUNT_CHECK)
         if original is None:  # a rename would otherwise hide the check's reads among the others
-            raise RuntimeError(f"token_mean.strategy.{COUNT_CHECK} is gone: tests/_sync.py must find the count check")
-        setattr(token_mean.strategy, COUNT_CHECK, self._count_check(original))
-        self._restore.append(lambda: setattr(token_mean.strategy, COUNT_CHECK, original))
+            raise RuntimeError(f"FirstWindowCheck.{COUNT_CHECK} is gone: tests/_sync.py must find the count check")
+        setattr(check, COUNT_CHECK, self._count_check(original))
+        self._restore.append(lambda: setattr(check, COUNT_CHECK, original))
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         warnings.filterwarnings("always", message=SYNC)

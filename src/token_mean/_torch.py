@@ -81,12 +81,14 @@ def fsdp_reduces_gradients(groups: Sequence[Any]) -> list[bool]:
 def drop_fsdp_unreduced_gradients(model: Module) -> None:
     """Drop FSDP2's unreduced gradient of an unfinished window (``zero_grad()`` misses it; it would be added in).
 
-    Relies on: ``post_backward`` without ``reduce_grads`` keeps it as ``_unsharded_param.grad`` (or
-    ``unsharded_accumulated_grad`` for another reduce dtype), and the next reducing one reduce-scatters it too.
+    Relies on: ``post_backward`` without ``reduce_grads`` keeps it as ``_unsharded_param.grad`` (or, up to torch
+    2.14, ``unsharded_accumulated_grad`` for another reduce dtype; 2.15 made that a read-only view of the former),
+    and the next reducing one reduce-scatters it too.
     """
     for _, group in fsdp_param_groups(model):
         for parameter in group.fsdp_params:
-            parameter.unsharded_accumulated_grad = None
+            if not isinstance(getattr(type(parameter), "unsharded_accumulated_grad", None), property):
+                parameter.unsharded_accumulated_grad = None
             unsharded = getattr(parameter, "_unsharded_param", None)
             if unsharded is not None:
                 unsharded.grad = None
