@@ -47,21 +47,22 @@ absolute numbers; every other row is the **extra** over it (same loader, no moni
 netted out: under DDP it broadcasts a SIGTERM flag and reads it with `.item()` before every batch (the 4 broadcasts \
 and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} per window here, one bucket) is the \
 same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
-"(+n count_fn, CPU batch)": host reads of lookahead's `count_fn` on the next window's batches as the loader yielded \
-them, before they move to the device, so on an accelerator they never wait for it; "(n the count)": the ops of \
-the count itself: lookahead counts each batch once, read ahead on the CPU batch, where the built-in label counts \
-read the labels through numpy (1 op, the view's `detach`; again as `training_step` received it only when a hook \
-moved or changed its tensors, 2 more ops then); deferred mode and the monitor once, on the device batch, with \
-`count_valid_labels` (`ne`, `sum`).
+"(+n count_fn, CPU batch)": host reads of a built-in label count on a batch held on the host, which never wait \
+for a device: lookahead's on the next window's batches as the loader yielded them, before they move to the device; \
+deferred mode's on the batch `training_step` received, which is on the host only in this CPU harness (on an \
+accelerator deferred mode counts on the device, with no read); "(n the count)": the ops of the count itself: the \
+built-in label counts read host labels through numpy (1 op, the view's `detach`; lookahead counts each batch once, \
+read ahead, and again as `training_step` received it only when a hook moved or changed its tensors, 2 more ops \
+then); the monitor under plain DDP counts on the batch with `count_valid_labels` (`ne`, `sum`).
 
 - **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
-without the monitor, except lookahead's `count_fn` on the next window's CPU batches. The window's record is read \
+without the monitor, except the label counts' reads of host batches above. The window's record is read \
 once per window, after its last backward (in the strategy's `backward` hook).
 - **Collectives: one all-reduce per window** (the record), plus per epoch: lookahead's first-window counts (before any \
 forward) and, for unsized loaders, one has-a-batch all-reduce. A stream's end rides in each window's record in both \
 modes (deferred mode peeks one batch before the last backward, from a loader known to yield fresh memory).
 - **Ops per micro-batch**: lookahead {look_micro} (scaling the loss by a host float, and that product's backward); \
-deferred {deferred_micro} (the count on the device, detaching the loss, \
+deferred {deferred_micro} (the count, detaching the loss, \
 the scale, the loss times it and its backward). The rest is once per window: counting the next window's batches \
 (lookahead), building, exchanging and reading the record (lookahead {look_end}, deferred {deferred_end} more ops per \
 window, gradient factor and comm hook included).
@@ -79,13 +80,13 @@ pass the DataLoader reads its base seed); the others are the extra over it. "Per
 `accumulator.batches(loader)`.
 
 - **One all-reduce per window** and **no host read between a window's first forward and its last backward** in \
-both modes, except lookahead's `count_fn` on the next window's batches as the loader yielded them (on the host: the \
-accumulator reads the CPU batches beneath a loader that moves them, and moves each as the loop takes it). The \
+both modes, except the label counts' reads of host batches (lookahead's on the next window's batches beneath a \
+loader that moves them, moving each as the loop takes it; deferred mode's on the CPU batches of this harness). The \
 window's record is read once, in `accumulator.finish()`, after the last backward.
 - **Per pass**: the ranks agree on the loader's length (a stream: that every rank is unsized, and that each holds \
 batches), plus lookahead's first-window counts.
 - **Ops per micro-batch**: lookahead {look_micro} (the loss times a host float in place of LitGPT's `loss / K`), \
-deferred {deferred_micro} (the count on the device, detaching the loss, the scale and its backward, in place of \
+deferred {deferred_micro} (the count, detaching the loss, the scale and its backward, in place of \
 LitGPT's `loss / K` and its backward); lookahead {look_end} and \
 deferred {deferred_end} more per window.
 """

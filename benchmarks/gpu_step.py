@@ -606,7 +606,8 @@ def report(
                  f" percentile bootstrap ({BOOTSTRAP} resamples)",
         "loader": "batches built once per process before the timed fits, pinned, served from memory"
                   " (DataLoader over a list, batch_size=None, no workers)",
-        "count_check": "on (the default): three forwards without gradient at every fit's first window (warm-up)",
+        "count_check": "on (the default): three forwards without gradient per micro-batch of every fit's first"
+                       " window (warm-up)",
         "sync_watch": f"one fit per method, {STEADY_WINDOW} + {settings.watch_steps} steps, tests/_sync.py SyncWatch;"
                       f" per window over windows {STEADY_WINDOW}.. (rehearsed on the CPU without CUDA)",
         "data": "random tokens; per row a masked prompt and right padding, each uniform in [0, context/2)",

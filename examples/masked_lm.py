@@ -27,7 +27,7 @@ per run and a table, and writes ``summary.json`` and ``layouts.png`` into one ru
 
 Commands, from the repository root (``make demo`` creates ``.venv`` first if needed):
 
-    make demo                                                          # the five runs: ~4 minutes on 2 CPU cores
+    make demo                                                          # the five runs: ~2 minutes on 2 CPU cores
     .venv/bin/python examples/masked_lm.py --steps 10 --limit 1000     # the same, smaller
     .venv/bin/python examples/masked_lm.py --layouts 1x8 2x4 4x2 --cuts random   # other layouts of one global batch
     .venv/bin/python examples/masked_lm.py --run reference --out runs/mine   # one run, in a single process
