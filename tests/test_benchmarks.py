@@ -12,6 +12,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -26,16 +27,19 @@ EXACT = 1e-12
 
 def run_bounded(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
     """``command`` in its own session, bounded in time: whatever it started (gloo workers) is
-    killed with its session when it exits or times out."""
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                               start_new_session=True)
-    try:
-        out, err = process.communicate(timeout=timeout)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(process.pid, signal.SIGKILL)
-        process.wait()
-    return subprocess.CompletedProcess(command, process.returncode, out, err)
+    killed with its session when it exits or times out. Its output goes to files, so that a worker that outlives
+    the script (a launched rank still tearing down) cannot hold the test on a pipe: the script's own exit decides."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, start_new_session=True)
+        try:
+            process.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
 
 
 def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:
