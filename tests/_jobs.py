@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 import weakref
 from pathlib import Path
@@ -60,6 +61,25 @@ def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT)
     for command, process, log in processes:
         if process.returncode != 0:
             raise subprocess.CalledProcessError(process.returncode, command, output=log.read_text(errors="replace"))
+
+
+def run_bounded(
+    command: list[str], timeout: float = JOB_TIMEOUT, cwd: Path | None = None
+) -> subprocess.CompletedProcess[str]:
+    """``command`` in its own session, its output in files: the script's own exit decides (a launched rank still
+    tearing down cannot hold the test on a pipe, as ``subprocess.run(capture_output=True)`` would), then whatever
+    the session still holds is killed. Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
+        try:
+            process.wait(timeout=timeout)
+        finally:
+            with contextlib.suppress(ProcessLookupError):  # the session holds the launcher's children too
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
 
 
 class ExitReport:

@@ -6,40 +6,19 @@ The cost counts themselves are pinned in ``test_cost.py``.
 
 from __future__ import annotations
 
-import contextlib
 import json
-import os
-import signal
-import subprocess
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _gpu import cuda_devices
+from _jobs import run_bounded
 from _old_torch import FSDP2_RUNS_ON_CPU, NO_FSDP2_ON_CPU
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 EXACT = 1e-12
-
-
-def run_bounded(command: list[str], timeout: float = 180) -> subprocess.CompletedProcess[str]:
-    """``command`` in its own session, bounded in time: whatever it started (gloo workers) is
-    killed with its session when it exits or times out. Its output goes to files, so that a worker that outlives
-    the script (a launched rank still tearing down) cannot hold the test on a pipe: the script's own exit decides."""
-    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, start_new_session=True)
-        try:
-            process.wait(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-        out.seek(0)
-        err.seek(0)
-        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
 
 
 def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:

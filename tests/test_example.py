@@ -15,7 +15,7 @@ from typing import cast
 
 import pytest
 import torch
-from _jobs import run_job
+from _jobs import run_bounded, run_job
 from _old_torch import FSDP2_RUNS_ON_CPU, NO_FSDP2_ON_CPU
 from lightning.fabric.utilities.data import _set_sampler_epoch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -46,7 +46,7 @@ def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
         sys.executable, str(EXAMPLES / "train_masked_lm.py"), "--accelerator=cpu", "--devices=2", "--accumulate=2",
         "--max-steps=11", "--eval-every=5", "--micro-batch-size=2", "--limit=80", f"--out={out}",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=180, cwd=tmp_path)
+    done = run_bounded(command, timeout=180, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert f"written to {out}" in done.stdout
 
@@ -225,7 +225,7 @@ def test_demo_end_to_end(tmp_path: Path) -> None:
         sys.executable, str(EXAMPLES / "masked_lm.py"), "--steps=3", "--micro-batch-size=2", "--limit=60",
         "--layouts", "2x2", "--cuts", "random", "length", f"--out={out}",
     ]  # fmt: skip
-    done = subprocess.run(command, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    done = run_bounded(command, timeout=300, cwd=tmp_path)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert done.stdout.rstrip().endswith(f"Run folder: {out}")
     # One line per run and the table: no progress bars, model summaries or Lightning banners from the sub-runs.

@@ -40,6 +40,7 @@ import pytest
 import torch
 from _gpu import NORM_CASES, cuda_devices, cuda_norm_cases, in_spawned_process, requires_cuda
 from _harness import EXACT, MODES, constant, reference, relative_error
+from _jobs import run_bounded
 from torch import Tensor
 
 SCRIPT = Path(__file__).parent / "scripts" / "gpu_token_mean.py"
@@ -106,7 +107,7 @@ class Runs:
         command = [sys.executable, str(SCRIPT), str(out), "--strategy", strategy, "--method", method,
                    "--devices", str(devices), *(["--reads"] if reads else []), *(["--cpu"] if self.cpu else [])]
         try:
-            completed = subprocess.run(command, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT)
+            completed = run_bounded(command, timeout=LAUNCH_TIMEOUT)
         except subprocess.TimeoutExpired as error:
             return f"{' '.join(command[1:])} ran past {LAUNCH_TIMEOUT} s:\n{str(error.stderr or '')[-4000:]}"
         if completed.returncode != 0:

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 import time
 from datetime import timedelta
@@ -24,6 +23,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from _harness import EXACT, MODES, constant, empty_like, fit, ragged_batches, reference, relative_error
+from _jobs import run_bounded
 from _mesh import MeshModule, ResumableMeshModule, forked
 from _ranks import raises_everywhere
 from _resume_helpers import SaveAtBatch
@@ -239,7 +239,8 @@ def test_registered_name() -> None:
 def test_subprocess_launcher(tmp_path: Path) -> None:
     """What users run: Lightning's subprocess launcher re-runs the script (FSDP2 over 2 data-parallel ranks)."""
     script = Path(__file__).parent / "scripts" / "model_parallel_token_mean.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=170, capture_output=True)
+    done = run_bounded([sys.executable, str(script), str(tmp_path)], timeout=170)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     params = torch.load(tmp_path / "params.pt", weights_only=True)
     params = {k.removeprefix("net."): v for k, v in params.items()}
     windows = json.loads((tmp_path / "windows.json").read_text())

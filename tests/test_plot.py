@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import inspect
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 from _harness import TokenModule
+from _jobs import run_bounded
 from _monitor_helpers import counts_data, trainer_for
 
 import token_mean.plot
@@ -214,8 +214,7 @@ def test_runs_as_a_module(tmp_path: Path) -> None:
     reference = write_trace(tmp_path / "ref.csv")
     run = write_trace(tmp_path / "run.csv", diverge_at=4)
     command = [sys.executable, "-m", "token_mean.plot", str(run), str(reference), "-o", str(tmp_path / "f.png")]
-    done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False,
-                          cwd=Path(token_mean.plot.__file__).parents[1])
+    done = run_bounded(command, timeout=120, cwd=Path(token_mean.plot.__file__).parents[1])
     assert done.returncode == 0, done.stderr
     assert done.stdout == f"{tmp_path / 'f.png'}: first divergent step 4 (grad_norm).\n"
     assert (tmp_path / "f.png").read_bytes().startswith(PNG_SIGNATURE)
