@@ -109,6 +109,3 @@ class Problem(Enum):
     def __init__(self, what: str, fix: str) -> None:
         self.what = what
         self.fix = fix
-
-    # Singletons: hash by identity, in C (Enum's own hashes the name in Python, a frame per set or dict operation)
-    __hash__ = object.__hash__

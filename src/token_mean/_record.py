@@ -6,7 +6,6 @@ it from the result itself and all raise the same error. Per-rank counts, when as
 
 from __future__ import annotations
 
-import array
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, IntEnum
 from types import MappingProxyType
@@ -67,8 +66,6 @@ class Kind(Enum):
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
     DIAGNOSIS = "the diagnosis of a window whose sums showed a problem (which ranks had which)"
 
-    __hash__ = object.__hash__  # by identity, in C (as Problem's)
-
 
 Mark = Problem | Kind
 MARKS: tuple[Mark, ...] = (*Problem, *Kind)
@@ -117,7 +114,6 @@ class Channel:
         self._zero: Tensor | None = None
         # the per-rank block: each rank's count, or with several terms each rank's count of every term
         self._size = RECORD_SIZE + (world.size * max(terms, 1) if rank_counts else 0) + TERM_SLOTS * terms
-        self._zeros = array.array("d", bytes(8 * self._size))
 
     def term_slot(self, term: int, what: int) -> int:
         """Where term ``term``'s value ``what`` (:data:`TERM_COUNT`, ``TERM_LOSS_SUM`` or ``TERM_NEXT_COUNT``)
@@ -146,7 +142,7 @@ class Channel:
         """This rank's record for a collective of ``kind``: ``host`` values in one host-to-device copy, ``device``
         values in one ``index_add``; ``flags`` and ``device_flags``: problems found on the host or device."""
         world = self.world
-        values = self._zeros[:]  # a C copy of the record's zeros (an array from a list costs ~20,000 instructions)
+        values = [0.0] * self._size
         for slot, value in host.items():
             values[slot] = value
         values[Slot.SEQUENCE] = float(self._sequence)

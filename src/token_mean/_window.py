@@ -311,7 +311,7 @@ class Window:
 
     def global_count(self) -> Tensor:
         """N on the device, waiting for the exchange on the device only (no host read)."""
-        return self._started().wait()[_COUNT]
+        return self._started().wait()[Slot.COUNT]
 
     def read(self) -> tuple[Reduced, float]:
         """The reduced record and this rank's count: the window's one host read. Raises every rank's problems.
@@ -408,8 +408,6 @@ def count_received(
 
 # ---- the window's sums, and what tells its problems apart ----
 
-_COUNT = int(Slot.COUNT)  # a plain int indexes a tensor faster than the enum member
-
 
 def _host_sums(window: Window, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
     """Counts known on the host (finite, non-negative): N's share is a host float, and the loss sum takes one
@@ -487,19 +485,22 @@ def _device_flags(window: Window) -> list[tuple[Problem, Tensor]]:
     valid = _valid(counts)
     flags: list[tuple[Problem, Tensor]] = []
     if window.judge_counts:
-        flags += [(Problem.COUNT_NEGATIVE, (counts < 0).any()), (Problem.COUNT_NONFINITE, _nonfinite(counts).any())]
+        flags += [
+            (Problem.COUNT_NEGATIVE, (counts < 0).any()),
+            (Problem.COUNT_NONFINITE, (~torch.isfinite(counts)).any()),
+        ]
     if window.judge_losses:
         zero = window.channel.zero()
         losses = torch.stack([zero if loss is None else loss for loss in window.losses]).to(torch.float64)
-        bad_values = _nonfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
-        bad_loss = _nonfinite(losses)
+        bad_values = ~torch.isfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
+        bad_loss = ~torch.isfinite(losses)
         # a finite loss times a huge count: the count's fault, not the model's
         flags += [
             (Problem.BAD_LOSS, (bad_values & bad_loss).any()),
             (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any()),
         ]
     if window.aux:
-        flags.append((Problem.BAD_AUX_LOSS, _nonfinite(torch.stack(window.aux).to(torch.float64)).any()))
+        flags.append((Problem.BAD_AUX_LOSS, (~torch.isfinite(torch.stack(window.aux).to(torch.float64))).any()))
     for problem, pairs in window.pairs.items():
         left, right = _sides(window, pairs)
         flags.append((problem, (left != right).any()))
@@ -552,12 +553,6 @@ def _shared_with_replicas(window: Window, flags: frozenset[Problem], device_flag
 def _valid(counts: Tensor) -> Tensor:
     """A bad count (negative, NaN, infinite) counts nothing."""
     return torch.nan_to_num(counts.clamp(min=0.0), nan=0.0, posinf=0.0)
-
-
-def _nonfinite(values: Tensor) -> Tensor:
-    """NaN or ±inf, elementwise, in two kernels (``~isfinite`` takes five on the CPU): x - x is 0 exactly for every
-    finite x, and NaN for NaN and ±inf."""
-    return (values - values).ne(0)
 
 
 # ---- messages and helpers the modes and the pass share ----
