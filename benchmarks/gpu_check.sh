@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The whole GPU check of issue 44 in one command, from the source tree: the GPU lane, then the GPU benchmark.
 #
-#   bash benchmarks/gpu_check.sh                          # python3 from PATH: about 5.5 min on one H200
+#   bash benchmarks/gpu_check.sh                          # python3 from PATH: at most 7.5 min (the limits below)
 #   PYTHON=.venv/bin/python bash benchmarks/gpu_check.sh  # another interpreter (CUDA torch, lightning, pytest)
 #   make gpu                                              # the same (make gpu GPU_PYTHON=... for the interpreter)
 #

@@ -19,6 +19,7 @@ import sys
 import tempfile
 import time
 import weakref
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,20 @@ LAUNCH_VARIABLES = (
 )
 
 
+@contextlib.contextmanager
+def _sessions() -> Iterator[list[subprocess.Popen[Any]]]:
+    """A list for the processes the block starts, each in its own session: on leaving, every session is killed
+    (it holds a launcher's children too) and every process reaped."""
+    started: list[subprocess.Popen[Any]] = []
+    try:
+        yield started
+    finally:
+        for process in started:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
+
+
 def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT) -> None:
     """Start the commands together, wait for all, and kill whatever their sessions still hold.
 
@@ -41,24 +56,19 @@ def run_job(commands: list[list[str]], logs: Path, timeout: float = JOB_TIMEOUT)
     env = {name: value for name, value in os.environ.items() if name not in LAUNCH_VARIABLES}
     env["PYTHONUNBUFFERED"] = "1"
     logs.mkdir(parents=True, exist_ok=True)
-    processes: list[tuple[list[str], subprocess.Popen[bytes], Path]] = []
-    try:
-        for index, command in enumerate(commands):
-            log = logs / f"job{index}.log"
+    log_paths = [logs / f"job{index}.log" for index in range(len(commands))]
+    with _sessions() as started:
+        for command, log in zip(commands, log_paths, strict=True):
             with log.open("wb") as sink:
-                process = subprocess.Popen(
-                    command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=logs, start_new_session=True
+                started.append(
+                    subprocess.Popen(
+                        command, stdout=sink, stderr=subprocess.STDOUT, env=env, cwd=logs, start_new_session=True
+                    )
                 )
-            processes.append((command, process, log))
         deadline = time.monotonic() + timeout
-        for _, process, _ in processes:
+        for process in started:
             process.wait(timeout=max(deadline - time.monotonic(), 0.0))
-    finally:
-        for _, process, _ in processes:
-            with contextlib.suppress(ProcessLookupError):  # the session holds the launcher's children too
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
-    for command, process, log in processes:
+    for command, process, log in zip(commands, started, log_paths, strict=True):
         if process.returncode != 0:
             raise subprocess.CalledProcessError(process.returncode, command, output=log.read_text(errors="replace"))
 
@@ -68,18 +78,26 @@ def run_bounded(
 ) -> subprocess.CompletedProcess[str]:
     """``command`` in its own session, its output in files: the script's own exit decides (a launched rank still
     tearing down cannot hold the test on a pipe, as ``subprocess.run(capture_output=True)`` would), then whatever
-    the session still holds is killed. Raises ``subprocess.TimeoutExpired`` past ``timeout`` seconds."""
+    the session still holds is killed.
+
+    Raises:
+        subprocess.TimeoutExpired: past ``timeout`` seconds, with what the command wrote as its output and stderr.
+    """
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        process = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
-        try:
-            process.wait(timeout=timeout)
-        finally:
-            with contextlib.suppress(ProcessLookupError):  # the session holds the launcher's children too
-                os.killpg(process.pid, signal.SIGKILL)
-            process.wait()
+        timed_out = False
+        with _sessions() as started:
+            process = subprocess.Popen(command, stdout=out, stderr=err, text=True, cwd=cwd, start_new_session=True)
+            started.append(process)
+            try:
+                process.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                timed_out = True
         out.seek(0)
         err.seek(0)
-        return subprocess.CompletedProcess(command, process.returncode, out.read(), err.read())
+        written = out.read(), err.read()
+    if timed_out:
+        raise subprocess.TimeoutExpired(command, timeout, output=written[0], stderr=written[1])
+    return subprocess.CompletedProcess(command, process.returncode, *written)
 
 
 class ExitReport:
