@@ -91,12 +91,31 @@ def test_ddp_matches_the_reference_and_the_batches_loop(mode: str) -> None:
     check_both_shapes(launched(forked_ranks(), both_shapes, mode))
 
 
+def parallelize_summed(model: Any, mesh: Any) -> Any:
+    """torchtitan's setup: FSDP2 sums the gradients over the data-parallel ranks (divide factor 1)."""
+    model = parallelize(model, mesh)
+    model.set_gradient_divide_factor(1.0)
+    return model
+
+
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("mode", MODES)
-def test_fsdp2_matches_the_reference_and_the_batches_loop(mode: str) -> None:
-    """``ModelParallelStrategy`` (FSDP2, DP = 2), lists."""
-    strategy = _ForkedModelParallel(parallelize_fn=parallelize, data_parallel_size=2, tensor_parallel_size=1,
+@pytest.mark.parametrize(
+    "parallelize_fn",
+    [
+        parallelize,
+        pytest.param(
+            parallelize_summed,
+            marks=pytest.mark.skipif(torch.__version__ < (2, 8), reason="torch < 2.8 keeps no divide factor (refused)"),
+        ),
+    ],
+    ids=["mean", "summed"],
+)
+def test_fsdp2_matches_the_reference_and_the_batches_loop(mode: str, parallelize_fn: Any) -> None:
+    """``ModelParallelStrategy`` (FSDP2, DP = 2), lists; FSDP2's mean over the ranks, or a sum
+    (``set_gradient_divide_factor(1.0)``: each loss is scaled by 1·n/N in place of P·n/N)."""
+    strategy = _ForkedModelParallel(parallelize_fn=parallelize_fn, data_parallel_size=2, tensor_parallel_size=1,
                                     timeout=SHORT_TIMEOUT, **GLOO)
     fabric = Fabric(accelerator="cpu", devices=2, strategy=strategy)
     check_both_shapes(launched(fabric, both_shapes, mode, ("list",)), ("list",))

@@ -102,7 +102,12 @@ def test_clipping_by_norm_acts_on_the_final_gradient(tmp_path: Path, mode: str) 
     data = ragged_batches(2, 6, seed=8)
     value = 0.05
     params, _ = fit(
-        MeshModule(data), strategy_for(mode, 2, 2), tmp_path, 4, accumulate_grad_batches=3, gradient_clip_val=value,
+        MeshModule(data),
+        strategy_for(mode, 2, 2),
+        tmp_path,
+        4,
+        accumulate_grad_batches=3,
+        gradient_clip_val=value,
     )
     expected, _ = reference(data, constant(3), clip_norm=value)
     unclipped, _ = reference(data, constant(3))
@@ -148,7 +153,11 @@ def count_plus_tensor_parallel_rank(batch: dict[str, Tensor]) -> Tensor:
 @pytest.mark.parametrize("mode", MODES)
 def test_tensor_parallel_count_disagreement_raises_on_every_rank(tmp_path: Path, mode: str) -> None:
     strategy = forked(RecordingStrategy)(
-        tmp_path, mode=mode, count_fn=count_plus_tensor_parallel_rank, data_parallel_size=2, tensor_parallel_size=2,
+        tmp_path,
+        mode=mode,
+        count_fn=count_plus_tensor_parallel_rank,
+        data_parallel_size=2,
+        tensor_parallel_size=2,
         **GLOO,
     )
     with pytest.raises(Exception, match="DenominatorError"):
@@ -184,24 +193,63 @@ def test_resume_from_distributed_checkpoint(tmp_path: Path, mode: str) -> None:
     assert [w["global_count"] for w in windows] == counts[1:], "the resumed run trained on other batches"
 
 
-# torch 2.8 renamed FSDP2's `set_reduce_scatter_divide_factor` (a PREMUL_SUM reduce op in 2.6 and 2.7, which keeps
-# no factor to show) to `set_gradient_divide_factor`; the strategy names the call the user made
-OWN_DIVIDE, OWN_DIVIDE_SHOWN = (
-    ("set_gradient_divide_factor", r"set_gradient_divide_factor\(1.0\)")
-    if torch.__version__ >= (2, 8)
-    else ("set_reduce_scatter_divide_factor", r"set_reduce_scatter_divide_factor\(\.\.\.\)")
-)
+# torch 2.8 replaced FSDP2's `set_reduce_scatter_divide_factor` (a PREMUL_SUM reduce op in 2.6 and 2.7, which keeps
+# no factor to read) with `set_gradient_divide_factor`, whose factor each parameter group keeps
+READABLE_FACTOR = torch.__version__ >= (2, 8)
 
 
 class DividedModule(MeshModule):
+    """torchtitan's setup: FSDP2 sums the gradients (factor 1.0), or divides by ``factors[i]`` module by module."""
+
+    def __init__(self, data: Any, factors: tuple[float, ...] = (1.0,)) -> None:
+        super().__init__(data)
+        self.factors = factors
+
     def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        if len(self.factors) > 1:  # the output layer sharded apart, with its own factor
+            fully_shard(self.net.out, mesh=self.device_mesh["data_parallel"])
+            self.net.out.set_gradient_divide_factor(self.factors[1])
         super().configure_model()
-        getattr(self.net, OWN_DIVIDE)(1.0)
+        getattr(self.net, "set_gradient_divide_factor" if READABLE_FACTOR else "set_reduce_scatter_divide_factor")(
+            self.factors[0]
+        )
 
 
 @pytest.mark.distributed
-def test_own_gradient_divide_factor_is_an_error(tmp_path: Path) -> None:
-    with pytest.raises(Exception, match=OWN_DIVIDE_SHOWN):
+@pytest.mark.skipif(not READABLE_FACTOR, reason="torch < 2.8 keeps no readable divide factor (refused, below)")
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("factor", [1.0, 3.0])
+def test_gradient_divide_factor_matches_reference(tmp_path: Path, mode: str, factor: float) -> None:
+    """A reduction that sums (factor 1, torchtitan's) or divides by another factor than P: the scale is factor·n/N."""
+    data = ragged_with_empty(2, 5, seed=3)
+    params, windows = fit(
+        DividedModule(data, (factor,)), strategy_for(mode, 2, 1), tmp_path, 2, accumulate_grad_batches=2
+    )
+    expected, counts = reference(data, constant(2))
+    error = relative_error(params, expected)
+    if mode == "plain":
+        assert error > 1e-6, "plain ModelParallelStrategy matched the token mean: the test could not fail"
+        return
+    assert error < EXACT, f"{mode}: relative parameter error {error:.3e}"
+    assert [w["global_count"] for w in windows] == counts
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(not READABLE_FACTOR, reason="torch < 2.8 keeps no readable divide factor")
+def test_different_divide_factors_are_an_error(tmp_path: Path) -> None:
+    with pytest.raises(
+        Exception,
+        match=r"the FSDP2 modules divide by different factors \(`net` by 1, `net.out` by 2\)",
+    ):
+        fit(DividedModule(ragged_batches(2, 2), (1.0, 2.0)), strategy_for("lookahead", 2, 1), tmp_path)
+
+
+@pytest.mark.distributed
+@pytest.mark.skipif(READABLE_FACTOR, reason="torch >= 2.8 keeps the factor, which is accepted (above)")
+def test_unreadable_divide_factor_is_an_error(tmp_path: Path) -> None:
+    with pytest.raises(Exception, match=r"set_reduce_scatter_divide_factor\(\.\.\.\)`, whose factor torch < 2.8"):
         fit(DividedModule(ragged_batches(2, 2)), strategy_for("lookahead", 2, 1), tmp_path)
 
 
@@ -219,7 +267,7 @@ def test_misplaced_arguments_are_refused_at_construction(kwargs: dict[str, Any],
 
 @pytest.mark.parametrize("kwargs", [{"data_parallel_size": 0}, {"tensor_parallel_size": "2"}, {"timeout": 5.0}])
 def test_parent_values_are_checked_at_construction(kwargs: dict[str, Any]) -> None:
-    (name, value), = kwargs.items()
+    ((name, value),) = kwargs.items()
     with pytest.raises(ValueError, match=rf"`{name}` must be .*, got {re.escape(repr(value))}\.$"):
         TokenMeanModelParallelStrategy(**kwargs)
 
@@ -285,8 +333,9 @@ def test_missing_loss_raises_on_every_rank(tmp_path: Path, mode: str, data_paral
     module = MeshModule(ragged_batches(data_parallel, 4), output_fn=no_loss_on_rank_one)
     devices = data_parallel * tensor_parallel
     started = time.monotonic()
-    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, devices, accumulate_grad_batches=2),
-                               ranks=devices)
+    errors = raises_everywhere(
+        tmp_path, lambda: fit(module, strategy, tmp_path, devices, accumulate_grad_batches=2), ranks=devices
+    )
     assert time.monotonic() - started < 25, "a rank waited for the process group's timeout"
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("DenominatorError: ") and "returned no loss" in errors[0], errors[0]

@@ -5,10 +5,11 @@ multiplied by P·D/N after the window's last backward."""
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -31,7 +32,9 @@ class World:
     """The ranks that share one denominator, and where their collective tensors live. ``size`` and ``rank`` count the
     data-parallel ranks; ``group`` reduces over them (None: the default group). ``replica_group``: ranks training on
     this rank's very batches (tensor parallelism), which must count the same items. ``gradients_averaged``: the
-    reduction averages with no hook of ours (FSDP2), so a provisional scale must be the same on every rank."""
+    reduction averages with no hook of ours (FSDP2), so a provisional scale must be the same on every rank.
+    ``divide_factor``: what that reduction divides the ranks' sum by, where not P (FSDP2's
+    ``set_gradient_divide_factor``)."""
 
     size: int
     rank: int
@@ -40,6 +43,12 @@ class World:
     distributed: bool = False
     replica_group: Any | None = None
     gradients_averaged: bool = False
+    divide_factor: float | None = None
+
+    @property
+    def divisor(self) -> float:
+        """What the gradient reduction divides the ranks' sum by: the loss scale is divisor·n/N."""
+        return float(self.size) if self.divide_factor is None else self.divide_factor
 
     @staticmethod
     def single(device: torch.device | None = None) -> World:
@@ -118,15 +127,19 @@ def layout(strategy: Any, model: Module) -> Layout:
 def after_reduction(model: Module, world: World) -> Layout:
     """A model whose reduction (FSDP2's, or none on one device) averages over the ranks with no hook of ours."""
     groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
+    divisors = {divisor for _, _, divisor in _torch.fsdp_reductions(model)}
+    if len(divisors) == 1 and None not in divisors:  # else refused by check_reduction before the first window
+        world = replace(world, divide_factor=divisors.pop())
     return Layout(
         world,
-        after_backward=lambda factor: _multiply_shards(model, factor, world.size),
+        after_backward=lambda factor: _multiply_shards(model, factor, world.divisor),
         sync_flags=lambda: _torch.fsdp_reduces_gradients(groups),
     )  # read by FSDP2 as the backward runs
 
 
-def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: int) -> None:
-    """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction, times P·D/N in one fused kernel."""
+def _multiply_shards(model: Module, factor: Callable[[], Tensor], divisor: float) -> None:
+    """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction (P: its divisor), times P·D/N in one
+    fused kernel."""
     from torch.distributed.tensor import DTensor
 
     shards = [
@@ -135,7 +148,7 @@ def _multiply_shards(model: Module, factor: Callable[[], Tensor], world_size: in
         if grad is not None
     ]
     if shards:
-        _torch.multiply_(shards, factor() * world_size)
+        _torch.multiply_(shards, factor() * divisor)
 
 
 _HOOK_STATE = "_token_mean_hook_state"
@@ -186,15 +199,22 @@ def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
 
 
 def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
-    """Whether any module of ``model`` is sharded; a ``ValueError`` unless every FSDP2 group averages its gradients
-    over the ``data_parallel`` ranks."""
+    """Whether any module of ``model`` is sharded; a ``ValueError`` unless every FSDP2 group reduces its gradients
+    over the ``data_parallel`` ranks and all divide their sum by one readable factor (the mean's P, or one
+    ``set_gradient_divide_factor``): the loss scale is that factor times n/N."""
     found = list(_torch.fsdp_reductions(model))
-    for module, ranks, custom_divide in found:
+    for module, ranks, divisor in found:
         where = f"`{module}`" if module else "the root module"
-        if custom_divide is not None:
+        if divisor is None:
             raise ValueError(
-                f"`{owner}` applies the global token count itself, relying on FSDP2's default mean over the"
-                f" {data_parallel} data-parallel ranks, but {where} has `{custom_divide}`. Remove that call."
+                f"`{owner}` scales each loss by the factor FSDP2 divides the reduced gradients by, but {where} has"
+                " `set_reduce_scatter_divide_factor(...)`, whose factor torch < 2.8 does not keep. Remove that call,"
+                " or upgrade torch to 2.8 or later, where `set_gradient_divide_factor` is supported."
+            )
+        if not (math.isfinite(divisor) and divisor > 0):
+            raise ValueError(
+                f"`set_gradient_divide_factor({divisor!r})` on {where}: a reduced gradient divided by it cannot be"
+                " scaled back to the token mean. Pass a positive finite factor, or remove the call."
             )
         if ranks != data_parallel:
             raise ValueError(
@@ -202,6 +222,14 @@ def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
                 f" the device mesh has {data_parallel}: pass the mesh's 'data_parallel' dimension as `mesh=` to"
                 " `fully_shard`."
             )
+    divisors = {module or "the root module": divisor for module, _, divisor in found}
+    if len(set(divisors.values())) > 1:
+        shown = ", ".join(f"`{module}` by {divisor:g}" for module, divisor in divisors.items())
+        raise ValueError(
+            f"`{owner}` scales each loss by the one factor FSDP2 divides the reduced gradients by, but the FSDP2"
+            f" modules divide by different factors ({shown}): call `set_gradient_divide_factor` with the same"
+            " factor on every `fully_shard` module, or on none."
+        )
     return bool(found)
 
 

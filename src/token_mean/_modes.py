@@ -66,6 +66,11 @@ class Mode:
     def world_size(self) -> int:
         return self.channel.world.size
 
+    @property
+    def divisor(self) -> float:
+        """What the gradient reduction divides the ranks' sum by (P for a mean): an item's loss scale is divisor/N."""
+        return self.channel.world.divisor
+
     def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None, reader: Reader) -> Window:
         """The window ``[start, stop)`` with K = ``accumulate``; lookahead: its ``counts`` if the previous window
         announced them, else its batches, read ahead from ``reader``, to count now."""
@@ -189,7 +194,7 @@ class Lookahead(Mode):
         terms = len(self.settings.terms)
         counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
         for global_count in counts:
-            check_global_count(window, global_count, self.world_size * window.accumulate, where)
+            check_global_count(window, global_count, self.divisor * window.accumulate, where)
         return Counts(stop, local, tuple(counts) if terms else counts[0], reduced[Slot.NEXT_REAL])
 
 
@@ -223,8 +228,8 @@ class _LookaheadWindow(Window):
 
     def set_counts(self, counts: Counts) -> None:
         _, self._read, self._n, self._real = counts  # this rank's counts read ahead; N; real micro-batches
-        # the reduction averages over P: an item's share of 1/N
-        self._share = scale_of(self._lookahead.world_size, self._n)
+        # the reduction divides by P (a mean): an item's share of 1/N
+        self._share = scale_of(self._lookahead.divisor, self._n)
 
     def _count_of(self, entry: Entry) -> float:
         return 0.0 if entry.filler else self._read[entry.position - self.start]
@@ -260,7 +265,7 @@ class _LookaheadWindow(Window):
             scaled = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
         if output.aux_loss is not None:
             real = self._real
-            weight = 0.0 if micro.filler or real == 0 else self._lookahead.world_size / real
+            weight = 0.0 if micro.filler or real == 0 else self._lookahead.divisor / real
             scaled = scaled + output.aux_loss * weight
         return scaled
 
@@ -286,7 +291,7 @@ class _TermsWindow(_LookaheadWindow):
 
     def set_counts(self, counts: Counts) -> None:
         _, self._read, self._n, self._real = counts
-        self._shares = [scale_of(self._lookahead.world_size, count) for count in self._n]
+        self._shares = [scale_of(self._lookahead.divisor, count) for count in self._n]
         self._term_counts: list[tuple[float, ...]] = []
         self._term_losses: list[list[Tensor | None]] = []
 

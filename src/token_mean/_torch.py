@@ -38,8 +38,9 @@ def fsdp_param_groups(model: Module) -> Iterator[tuple[str, Any]]:
                 yield name, group
 
 
-def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, str | None]]:
-    """``(module name, ranks reduced over, the call that replaced their mean or None)`` per FSDP2 parameter group.
+def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, float | None]]:
+    """``(module name, ranks reduced over, what the reduced gradient is divided by)`` per FSDP2 parameter group; the
+    divisor is None where a custom reduction keeps no readable factor.
 
     Relies on: a group's ``mesh_info`` (``shard_mesh_size``, under HSDP ``replicate_mesh_size``; 2.6 to 2.15) and,
     from torch 2.8 on, ``gradient_divide_factor`` (``set_gradient_divide_factor``): ``foreach_reduce`` divides by
@@ -52,10 +53,9 @@ def fsdp_reductions(model: Module) -> Iterator[tuple[str, int, str | None]]:
         ranks = getattr(mesh_info, "shard_mesh_size", 1) * getattr(mesh_info, "replicate_mesh_size", 1)
         if hasattr(group, "gradient_divide_factor"):
             factor = group.gradient_divide_factor
-            yield name, ranks, None if factor is None else f"set_gradient_divide_factor({factor!r})"
+            yield name, ranks, float(ranks if factor is None else factor)
         else:
-            custom = group.reduce_scatter_reduce_op is not None
-            yield name, ranks, "set_reduce_scatter_divide_factor(...)" if custom else None
+            yield name, ranks, None if group.reduce_scatter_reduce_op is not None else float(ranks)
 
 
 def is_sharded(module: Module, recurse: bool = True) -> bool:
