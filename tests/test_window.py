@@ -1,17 +1,21 @@
 """The record, its reduction and the window, in one process: fake multi-rank worlds are summed by hand.
 
 A ``World`` with ``distributed=False`` runs no collective, whatever its size: each rank's record is built by a
-``Channel`` over ``World(size=P, rank=r)``, and the test sums the records itself, as the SUM all-reduce would.
+``Channel`` over ``World(size=P, rank=r)``, and the test sums the records itself, as the SUM all-reduce would; where
+fake ranks gather their records (the failure path), each reads in a thread of its own and ``_hub.Hub`` stands in for
+the ``all_gather``.
 """
 
 from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
+from _hub import Hub, in_threads
 from torch import Tensor
 
 from token_mean import DenominatorError, WindowStats
@@ -19,7 +23,6 @@ from token_mean._layout import World
 from token_mean._problems import Problem
 from token_mean._record import (
     MARKS,
-    NAMED_RANKS,
     RECORD_SIZE,
     Channel,
     Exchange,
@@ -40,13 +43,9 @@ def world(size: int, rank: int) -> World:
     return World(size=size, rank=rank, device=CPU)
 
 
-# the record's layout: the slots, then per mark how many ranks set it, then per mark the sum of their 2**rank
+# the record's layout: the slots, then per mark how many ranks set it
 def ranks_slot(mark: Mark) -> int:
     return len(Slot) + MARKS.index(mark)
-
-
-def bits_slot(mark: Mark) -> int:
-    return len(Slot) + len(MARKS) + MARKS.index(mark)
 
 
 def scalar(value: float) -> Tensor:
@@ -54,17 +53,29 @@ def scalar(value: float) -> Tensor:
 
 
 class RecordingChannel(Channel):
-    """A channel that keeps the exchanges it starts (and those it reduces at once, a diagnosis), so a test can read
-    (or replace) what a window sent."""
+    """A channel that keeps the exchanges it starts and the records it gathers (the failure path), so a test can read
+    (or replace) what a window sent; with ``gathering``, fake ranks gather each other's records."""
 
-    def __init__(self, world: World, rank_counts: bool = False) -> None:
+    def __init__(self, world: World, rank_counts: bool = False, hub: Hub | None = None) -> None:
         super().__init__(world, rank_counts)
         self.exchanges: list[Exchange] = []
+        self.gathered: list[Tensor] = []
+        self._hub = hub
 
-    def _exchange(self, kind: Kind, record: Tensor, op: Any) -> Exchange:
-        exchange = super()._exchange(kind, record, op)
+    def _exchange(self, kind: Kind, op: Any, contents: tuple[Any, ...], named: dict[str, Any]) -> Exchange:
+        exchange = super()._exchange(kind, op, contents, named)
         self.exchanges.append(exchange)
         return exchange
+
+    def _all_gather(self, record: Tensor) -> Tensor:
+        self.gathered.append(record)
+        return super()._all_gather(record) if self._hub is None else self._hub.all_gather(self.world.rank, record)
+
+
+def fake_ranks(size: int) -> tuple[list[RecordingChannel], Hub]:
+    """One channel per fake rank, gathering each other's records through one hub."""
+    hub = Hub(size)
+    return [RecordingChannel(world(size, rank), hub=hub) for rank in range(size)], hub
 
 
 def all_reduce(exchanges: list[Exchange]) -> None:
@@ -92,7 +103,8 @@ def reduced_over(values: list[dict[str, Any]], kinds: list[Kind] | None = None, 
             channel.start(kind)
         records.append(channel.record((kinds or [kind] * size)[rank], **values[rank]))
     total = torch.stack(records).sum(0).tolist()
-    return [Reduced(kind, total, world(size, rank), []) for rank in range(size)]
+    rows = [record.tolist() for record in records]  # as the failure path gathers them
+    return [Reduced(kind, total, world(size, rank), [], rows=rows) for rank in range(size)]
 
 
 def flagged_on(ranks: set[int], size: int, problem: Problem = Problem.BAD_LOSS) -> list[dict[str, Any]]:
@@ -118,15 +130,14 @@ def read(win: Window, host: dict[Slot, float] | None = None) -> tuple[Reduced, f
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_record_holds_host_values_in_their_slots_and_the_kinds_mark_with_the_rank_bit() -> None:
+def test_record_holds_host_values_in_their_slots_and_the_kinds_mark() -> None:
     record = Channel(world(4, 2)).record(Kind.WINDOW, **Values({Slot.COUNT: 3.0, Slot.LENGTH: 2.0}))
 
     assert record.dtype == torch.float64 and record.shape == (RECORD_SIZE,)
     assert record[Slot.COUNT] == 3.0 and record[Slot.LENGTH] == 2.0
     assert record[ranks_slot(Kind.WINDOW)] == 1.0
-    assert record[bits_slot(Kind.WINDOW)] == 4.0  # 2**rank
     others = [mark for mark in MARKS if mark is not Kind.WINDOW]
-    assert all(record[ranks_slot(mark)] == 0.0 and record[bits_slot(mark)] == 0.0 for mark in others)
+    assert all(record[ranks_slot(mark)] == 0.0 for mark in others)
 
 @pytest.mark.parametrize("rank_counts", [False, True])
 def test_a_vector_of_slots_adds_like_its_scalars_and_the_rank_block_copies_count_from_count_slots(
@@ -148,11 +159,6 @@ def test_a_vector_of_slots_adds_like_its_scalars_and_the_rank_block_copies_count
     if rank_counts:
         assert mixed[RECORD_SIZE + 1] == 5.0 and mixed[RECORD_SIZE] == 0.0 and mixed[RECORD_SIZE + 2] == 0.0
 
-
-
-def test_only_ranks_below_52_carry_a_rank_bit() -> None:
-    bits = [Channel(world(60, rank)).record(Kind.WINDOW)[bits_slot(Kind.WINDOW)].item() for rank in (51, 52, 59)]
-    assert bits == [2.0**51, 0.0, 0.0]  # the sum of 2**rank over ranks below 52 is exact in float64
 
 
 def test_the_zero_is_made_once_per_channel_and_a_window_of_fillers_leaves_it_zero() -> None:
@@ -185,23 +191,23 @@ def test_device_values_are_added_to_the_host_values_of_their_slots() -> None:
     assert record[Slot.LOSS_SUM] == 0.5
 
 
-def test_device_flags_set_a_mark_with_the_rank_bit_only_when_true() -> None:
+def test_device_flags_set_a_mark_only_when_true() -> None:
     values = Values(device_flags=[(Problem.BAD_LOSS, torch.tensor(True)), (Problem.COUNT_RANGE, torch.tensor(False))])
     record = Channel(world(5, 3)).record(Kind.WINDOW, **values)
-    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
-    assert (record[ranks_slot(Problem.COUNT_RANGE)], record[bits_slot(Problem.COUNT_RANGE)]) == (0.0, 0.0)
+    assert record[ranks_slot(Problem.BAD_LOSS)] == 1.0
+    assert record[ranks_slot(Problem.COUNT_RANGE)] == 0.0
 
 
 def test_problem_flagged_on_the_host_and_on_the_device_is_counted_once() -> None:
     values = Values(flags=frozenset({Problem.BAD_LOSS}), device_flags=[(Problem.BAD_LOSS, torch.tensor(True))])
     record = Channel(world(5, 3)).record(Kind.WINDOW, **values)
-    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
+    assert record[ranks_slot(Problem.BAD_LOSS)] == 1.0
 
 
 def test_problem_twice_among_device_flags_is_still_one_rank() -> None:
     true = torch.tensor(True)
     record = Channel(world(5, 3)).record(Kind.WINDOW, **Values(device_flags=[(Problem.BAD_LOSS, true)] * 2))
-    assert (record[ranks_slot(Problem.BAD_LOSS)], record[bits_slot(Problem.BAD_LOSS)]) == (1.0, 8.0)
+    assert record[ranks_slot(Problem.BAD_LOSS)] == 1.0
 
 
 def test_rank_counts_block_holds_each_ranks_count_in_its_own_slot() -> None:
@@ -237,20 +243,31 @@ def test_problem_of_several_ranks_names_them_all() -> None:
     assert reduced.lines() == [line("ranks 0, 5", Problem.BAD_LOSS)]
 
 
-def test_up_to_52_ranks_are_named_exactly() -> None:
-    (reduced, *_) = reduced_over(flagged_on(set(range(NAMED_RANKS)), 60))
-    assert NAMED_RANKS == 52
-    assert reduced.lines() == [line("ranks " + ", ".join(map(str, range(52))), Problem.BAD_LOSS)]
+def test_every_rank_is_named_however_many() -> None:
+    (reduced, *_) = reduced_over(flagged_on(set(range(3, 70)), 70))
+    assert reduced.lines() == [line("ranks " + ", ".join(map(str, range(3, 70))), Problem.BAD_LOSS)]
 
 
-def test_more_ranks_than_can_be_named_are_counted_naming_the_first_52() -> None:
-    (reduced, *_) = reduced_over(flagged_on(set(range(60)), 60))
-    assert reduced.lines() == [line(f"60 ranks (among them {', '.join(map(str, range(52)))})", Problem.BAD_LOSS)]
-
-
-def test_ranks_past_the_named_ones_are_only_counted() -> None:
-    (reduced, *_) = reduced_over(flagged_on({52, 59}, 60))
+def test_without_gathered_rows_the_ranks_are_counted() -> None:
+    (summed, *_) = reduced_over(flagged_on({1, 4}, 6))
+    reduced = Reduced(Kind.WINDOW, summed.values, world(6, 0), [])
     assert reduced.lines() == [line("2 ranks", Problem.BAD_LOSS)]
+
+
+def test_the_records_are_gathered_only_where_the_sum_shows_a_problem() -> None:
+    """The common path reads the sum alone; a sum that shows a problem gathers the records once, to name the ranks."""
+    (clean, *_) = reduced_over([Values(), Values()])
+    (flagged, *_) = reduced_over(flagged_on({1}, 2))
+    gathers: list[Reduced] = []
+
+    def gather(reduced: Reduced) -> Callable[[], Reduced]:
+        return lambda: gathers.append(reduced) or reduced  # type: ignore[func-returns-value]
+
+    Reduced(Kind.WINDOW, clean.values, world(2, 0), [], gather=gather(clean)).check("step 1")
+    assert gathers == []
+    with pytest.raises(DenominatorError, match=r"^token_mean: rank 1: "):
+        Reduced(Kind.WINDOW, flagged.values, world(2, 0), [], gather=gather(flagged)).check("step 1")
+    assert gathers == [flagged]
 
 
 def test_check_raises_the_same_message_on_every_rank_with_each_ranks_detail_as_a_note() -> None:
@@ -495,9 +512,8 @@ def test_num_items_mismatch_sums_both_sides_and_the_first_labels_over_the_micro_
 
     with pytest.raises(DenominatorError, match=r"rank 0: the default count \(`batch\['labels'\] != -100`\)") as raised:
         win.read()
-    _, diagnosis = channel.exchanges  # the diagnosis: which problem, and by how much
-    assert diagnosis.kind is Kind.DIAGNOSIS
-    assert [diagnosis.record[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
+    (diagnosis,) = channel.gathered  # the diagnosis: which problem, and by how much
+    assert [diagnosis[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
     assert "'num_items' sums to 10, the count to 12; the count is higher by exactly the 2 valid labels" in str(
         raised.value
     )
@@ -511,7 +527,7 @@ def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> No
     win.close()
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' reported") as raised:
         win.read()
-    assert channel.exchanges[-1].record[Slot.FIRST] == 0.0
+    assert channel.gathered[-1][Slot.FIRST] == 0.0
     assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
 
 
@@ -525,7 +541,7 @@ def test_count_changed_sums_the_count_read_and_the_count_received_over_the_micro
 
     with pytest.raises(DenominatorError, match=r"10 valid items as the loader yielded them, 4 in the batches"):
         win.read()
-    assert [channel.exchanges[-1].record[slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
+    assert [channel.gathered[-1][slot].item() for slot in (Slot.READ, Slot.RECEIVED)] == [10.0, 4.0]
 
 
 def test_checks_that_agree_raise_nothing() -> None:
@@ -585,7 +601,7 @@ def test_three_ranks_windows_sum_to_the_hand_computed_stats() -> None:
 
 
 def test_problem_of_one_fake_rank_raises_on_every_rank_with_only_its_own_note() -> None:
-    channels = [RecordingChannel(world(3, rank)) for rank in range(3)]
+    channels, hub = fake_ranks(3)
     closings = []
     for rank, channel in enumerate(channels):
         win = window(channel)
@@ -596,17 +612,15 @@ def test_problem_of_one_fake_rank_raises_on_every_rank_with_only_its_own_note() 
         closings.append(win)
     all_reduce([channel.exchanges[0] for channel in channels])
 
-    errors = []
-    for closing in closings:
-        with pytest.raises(DenominatorError, match=r"rank 1: `training_step` returned no loss") as raised:
-            closing.read()
-        errors.append(raised.value)
+    errors = in_threads([closing.read for closing in closings], hub, abort=False)
+    assert all(isinstance(error, DenominatorError) for error in errors), errors
+    assert all(str(error).startswith("token_mean: rank 1: `training_step` returned no loss") for error in errors)
     assert len({str(error) for error in errors}) == 1
     assert [getattr(error, "__notes__", []) for error in errors] == [[], ["On rank 1: training_step returned None"], []]
 
 
 def test_fake_ranks_with_windows_of_different_lengths_raise_uneven() -> None:
-    channels = [RecordingChannel(world(3, rank)) for rank in range(3)]
+    channels, hub = fake_ranks(3)
     closings = []
     for rank, channel in enumerate(channels):
         win = window(channel)
@@ -615,24 +629,24 @@ def test_fake_ranks_with_windows_of_different_lengths_raise_uneven() -> None:
         win.close()
         closings.append(win)
     all_reduce([channel.exchanges[0] for channel in channels])
-    for closing in closings:
-        with pytest.raises(DenominatorError, match=r"different lengths \(total 5 micro-batches over 3 ranks\)"):
-            closing.read()
+    for error in in_threads([closing.read for closing in closings], hub, abort=False):
+        assert isinstance(error, DenominatorError)
+        assert re.search(r"different lengths \(total 5 micro-batches over 3 ranks\)", str(error))
 
 
 # ---------------------------------------------------------------------------------------------------------------------
-# the record carries sums; which rank had which problem is only worked out when a sum shows one
+# the record carries sums; which rank had which problem is only gathered when a sum shows one
 # ---------------------------------------------------------------------------------------------------------------------
 
 
-def test_a_window_without_problems_runs_one_exchange_and_one_with_a_device_problem_a_diagnosis() -> None:
+def test_a_window_without_problems_runs_one_exchange_and_one_with_a_device_problem_a_gather() -> None:
     """The common path is one collective; a sum that shows a problem (here a NaN loss with items) makes every rank
-    work out its own problems and exchange them once more, and the error names the problem, not just the sum."""
+    work out its own problems and gather them, and the error names the problem and the rank, not just the sum."""
     channel = RecordingChannel(World.single())
     win = window(channel)
     win.add(torch.tensor(3), scalar(0.5), filler=False)
     read(win)
-    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW]
+    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW] and channel.gathered == []
 
     channel = RecordingChannel(World.single())
     win = window(channel)
@@ -641,8 +655,9 @@ def test_a_window_without_problems_runs_one_exchange_and_one_with_a_device_probl
     assert channel.exchanges[0].record[ranks_slot(Problem.BAD_LOSS)] == 0.0  # not decided before the backward
     with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
         win.read()
-    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW, Kind.DIAGNOSIS]
-    assert channel.exchanges[1].record[ranks_slot(Problem.BAD_LOSS)] == 1.0
+    assert [exchange.kind for exchange in channel.exchanges] == [Kind.WINDOW]
+    (gathered,) = channel.gathered
+    assert gathered[ranks_slot(Problem.BAD_LOSS)] == 1.0 and gathered[ranks_slot(Kind.WINDOW)] == 1.0
 
 
 def test_host_counts_sum_on_the_host_and_weight_the_losses_with_items() -> None:

@@ -1,13 +1,15 @@
 """The record every collective of the package exchanges (one SUM all-reduce of a fixed-length float64 record), and
-the channel that numbers and exchanges it. A record holds :class:`Slot` values, then two slots per mark (each
-:class:`~token_mean._problems.Problem` and :class:`Kind`): how many ranks set it, and Σ 2**rank over those below
-:data:`NAMED_RANKS` (exact in float64). With the kind and a sequence number in every record, ranks out of step learn
-it from the result itself and all raise the same error. Per-rank counts, when asked for, cost P more slots."""
+the channel that numbers and exchanges it. A record holds :class:`Slot` values, then one slot per mark (each
+:class:`~token_mean._problems.Problem` and :class:`Kind`): how many ranks set it. With the kind and a sequence number
+in every record, ranks out of step learn it from the sum itself and all raise the same error. Only then, on the
+failure path, do the ranks gather their records (one ``all_gather``) to name which rank had which problem. Per-rank
+counts, when asked for, cost P more slots."""
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping, Sequence
 from enum import Enum, IntEnum
+from functools import partial
 from types import MappingProxyType
 from typing import Any
 
@@ -21,9 +23,6 @@ from token_mean._problems import Problem
 from token_mean.errors import DenominatorError
 
 _SUM = dist.ReduceOp.SUM if dist.is_available() else None
-
-NAMED_RANKS = 52
-"""Ranks below this are named in messages; float64 holds the sum of 2**rank over them exactly."""
 
 
 class Slot(IntEnum):
@@ -64,7 +63,6 @@ class Kind(Enum):
     STREAM_END = "the agreement, after a window's last backward, on whether a stream goes on (deferred mode)"
     PAST_END = "the check, after an epoch's last backward, that no loader yields more batches than its `len()`"
     PROVISIONAL = "the agreement on the first provisional denominator (deferred mode over a device mesh)"
-    DIAGNOSIS = "the diagnosis of a window whose sums showed a problem (which ranks had which)"
 
 
 Mark = Problem | Kind
@@ -72,8 +70,7 @@ MARKS: tuple[Mark, ...] = (*Problem, *Kind)
 _MARK_INDEX = {mark: index for index, mark in enumerate(MARKS)}
 _FIRST_KIND = len(Problem)  # the kinds' marks follow the problems'
 RANKS = len(Slot)  # then one slot per mark: how many ranks set it
-BITS = RANKS + len(MARKS)  # then one per mark: the sum of 2**rank over those ranks below NAMED_RANKS
-RECORD_SIZE = BITS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
+RECORD_SIZE = RANKS + len(MARKS)  # then, for a channel that publishes them, one slot per rank: that rank's COUNT
 
 
 TERM_SLOTS = 3
@@ -109,7 +106,6 @@ class Channel:
         self.terms = terms  # an objective of several terms: TERM_SLOTS more slots per term, at the record's end
         self._join_backward = join_backward
         self._sequence = 0
-        self._bit = 2.0**world.rank if world.rank < NAMED_RANKS else 0.0
         self._indices: dict[tuple[int, ...], Tensor] = {}
         self._zero: Tensor | None = None
         # the per-rank block: each rank's count, or with several terms each rank's count of every term
@@ -138,20 +134,22 @@ class Channel:
         device: Device = (),
         flags: frozenset[Problem] = frozenset(),
         device_flags: Flags = (),
+        *,
+        sequence: int | None = None,
     ) -> Tensor:
         """This rank's record for a collective of ``kind``: ``host`` values in one host-to-device copy, ``device``
-        values in one ``index_add``; ``flags`` and ``device_flags``: problems found on the host or device."""
+        values in one ``index_add``; ``flags`` and ``device_flags``: problems found on the host or device;
+        ``sequence``: the collective's number (None: the next one's)."""
         world = self.world
         values = [0.0] * self._size
         for slot, value in host.items():
             values[slot] = value
-        values[Slot.SEQUENCE] = float(self._sequence)
-        values[Slot.SEQUENCE_SQUARED] = float(self._sequence**2)
-        bit = self._bit
+        sequence = self._sequence if sequence is None else sequence
+        values[Slot.SEQUENCE] = float(sequence)
+        values[Slot.SEQUENCE_SQUARED] = float(sequence**2)
         marks: tuple[Mark, ...] = (kind, *flags)
         for mark in marks:
             values[RANKS + _MARK_INDEX[mark]] = 1.0
-            values[BITS + _MARK_INDEX[mark]] = bit
         if self.rank_counts and self.terms:  # this rank's count of each term, in its own slots of the per-rank block
             for term in range(self.terms):
                 values[RECORD_SIZE + world.rank * self.terms + term] = values[self.term_slot(term, TERM_COUNT)]
@@ -186,9 +184,8 @@ class Channel:
             if problem not in flags:
                 decided.setdefault(problem, []).append(flag)
         for problem, found in decided.items():
-            raised = _float64(found[0] if len(found) == 1 else torch.stack(found).any())
-            scalar_slots += [RANKS + _MARK_INDEX[problem], BITS + _MARK_INDEX[problem]]
-            scalars += [raised, raised * self._bit]
+            scalar_slots.append(RANKS + _MARK_INDEX[problem])
+            scalars.append(_float64(found[0] if len(found) == 1 else torch.stack(found).any()))
         sources = ([torch.stack(scalars)] if scalars else []) + vectors
         if not sources:
             return (), None
@@ -203,38 +200,65 @@ class Channel:
 
     def start(self, kind: Kind, *contents: Any, **named: Any) -> Exchange:
         """Start the collective of this rank's :meth:`record` (of these contents) without waiting for it."""
-        return self._exchange(kind, self.record(kind, *contents, **named), _SUM)
+        return self._exchange(kind, _SUM, contents, named)
 
     def reduce(self, kind: Kind, *contents: Any, op: Any = None, **named: Any) -> Reduced:
         """A blocking collective of this rank's :meth:`record` (a host read), by default a SUM: only where no window's
         forward has run yet."""
-        record = self.record(kind, *contents, **named)
-        reduced = self._exchange(kind, record, op or dist.ReduceOp.SUM).read()
+        reduced = self._exchange(kind, op or _SUM, contents, named).read()
         if (
             op is None
             and self._join_backward is not None
             and not reduced.in_step()
             and kind is not Kind.WINDOW
-            and reduced.ranks_with(Kind.WINDOW)[0] > 0
+            and reduced.ranks(Kind.WINDOW) > 0
         ):
             self._join_backward()
         return reduced
 
-    def _exchange(self, kind: Kind, record: Tensor, op: Any) -> Exchange:
-        exchange = Exchange(kind, record, self.world, op, self.terms)
+    def gather(self, kind: Kind, *contents: Any, sequence: int, **named: Any) -> Reduced:
+        """The failure path: every rank's :meth:`record` of collective number ``sequence`` (one ``all_gather``, a
+        host read), summed, with the rows that say which rank set which mark."""
+        rows = self._all_gather(self.record(kind, *contents, sequence=sequence, **named))
+        return Reduced(kind, rows.sum(0).tolist(), self.world, [], self.terms, rows.tolist())
+
+    def _all_gather(self, record: Tensor) -> Tensor:
+        """Every rank's ``record``, a row each (this rank's alone where no collective runs)."""
+        if not self.world.distributed:
+            return record.unsqueeze(0)
+        rows = [torch.empty_like(record) for _ in range(self.world.size)]
+        dist.all_gather(rows, record, group=self.world.group)
+        return torch.stack(rows)
+
+    def _exchange(self, kind: Kind, op: Any, contents: tuple[Any, ...], named: dict[str, Any]) -> Exchange:
+        sequence = self._sequence
+        record = self.record(kind, *contents, **named)
         self._sequence += 1
-        return exchange
+        # the failure path builds the same record again and gathers it, to name who had which problem
+        regather = partial(self.gather, kind, *contents, sequence=sequence, **named)
+        return Exchange(kind, record, self.world, op, sequence, self.terms, regather)
 
 
 class Exchange:
     """One record's all-reduce, started at once: ``wait()`` gives the reduced record on the device without a host
     sync, ``read()`` copies it to the host (once per window, after its last backward)."""
 
-    def __init__(self, kind: Kind, record: Tensor, world: World, op: Any, terms: int = 0) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        record: Tensor,
+        world: World,
+        op: Any,
+        sequence: int = 0,
+        terms: int = 0,
+        gather: Callable[[], Reduced] | None = None,
+    ) -> None:
         self.kind = kind
         self.record = record
         self.world = world
         self.terms = terms
+        self.sequence = sequence  # its number on the channel
+        self._gather = gather
         self._work = _torch.start_all_reduce(world.group, record, op) if world.distributed else None
 
     def wait(self) -> Tensor:
@@ -247,18 +271,30 @@ class Exchange:
         """The reduced record on the host, with ``extra`` local device values (1-d, float64) read in the same copy."""
         record = self.wait()
         if extra is None:
-            return Reduced(self.kind, record.tolist(), self.world, [], self.terms)
+            return Reduced(self.kind, record.tolist(), self.world, [], self.terms, gather=self._gather)
         values: list[float] = torch.cat([record, extra]).tolist()
-        return Reduced(self.kind, values[: record.numel()], self.world, values[record.numel() :], self.terms)
+        local = values[record.numel() :]
+        return Reduced(self.kind, values[: record.numel()], self.world, local, self.terms, gather=self._gather)
 
 
 class Reduced:
-    """A record summed over ranks, on the host (``local``: this rank's own values read with it)."""
+    """A record summed over ranks, on the host (``local``: this rank's own values read with it). ``rows``: every
+    rank's record, where they were gathered (the failure path); ``gather``: gathers them, once every rank saw the
+    same sum show a problem."""
 
-    __slots__ = ("kind", "local", "terms", "values", "world")  # made once per window: a dataclass costs ~3x the time
-
-    def __init__(self, kind: Kind, values: list[float], world: World, local: list[float], terms: int = 0) -> None:
+    def __init__(
+        self,
+        kind: Kind,
+        values: list[float],
+        world: World,
+        local: list[float],
+        terms: int = 0,
+        rows: list[list[float]] | None = None,
+        gather: Callable[[], Reduced] | None = None,
+    ) -> None:
         self.kind, self.values, self.world, self.local, self.terms = kind, values, world, local, terms
+        self.rows = rows
+        self._gather = gather
 
     def __getitem__(self, slot: Slot | int) -> float:
         return self.values[slot]
@@ -275,11 +311,14 @@ class Reduced:
         """Term ``term``'s value ``what``, summed over ranks (:meth:`Channel.term_slot`)."""
         return self.values[len(self.values) - TERM_SLOTS * (self.terms - term) + what]
 
+    def ranks(self, mark: Mark) -> int:
+        """How many ranks set ``mark``."""
+        return round(self.values[RANKS + _MARK_INDEX[mark]])
+
     def ranks_with(self, mark: Mark) -> tuple[int, list[int]]:
-        """How many ranks set ``mark``, and those of them below :data:`NAMED_RANKS`."""
-        index = _MARK_INDEX[mark]
-        bits = int(self.values[BITS + index])
-        return round(self.values[RANKS + index]), [rank for rank in range(NAMED_RANKS) if bits >> rank & 1]
+        """How many ranks set ``mark``, and which (those whose rows were gathered)."""
+        column = RANKS + _MARK_INDEX[mark]
+        return self.ranks(mark), [rank for rank, row in enumerate(self.rows or ()) if row[column] > 0]
 
     def in_step(self) -> bool:
         """Every rank ran this collective as its same-numbered one on the channel."""
@@ -302,7 +341,7 @@ class Reduced:
                 what = problem.what + (self.num_items_note() if problem.name.startswith("NUM_ITEMS") else "")
                 what += self.count_changed_note() if problem is Problem.COUNT_CHANGED else ""
                 lines.append(f"{_who(ranks, named)}: {what}. Fix: {problem.fix}")
-        if self.kind in (Kind.WINDOW, Kind.DIAGNOSIS) and not self.lengths_agree():
+        if self.kind is Kind.WINDOW and not self.lengths_agree():
             lines.append(
                 f"{Problem.UNEVEN.what} (total {self[Slot.LENGTH]:g} micro-batches over {self.world.size}"
                 f" ranks). Fix: {Problem.UNEVEN.fix}"
@@ -338,25 +377,30 @@ class Reduced:
     def clean(self) -> bool:
         """Every rank ran this collective as its same-numbered one and raised nothing (the cheap common case)."""
         size, values = self.world.size, self.values
-        marks = values[RANKS:BITS]
+        marks = values[RANKS:RECORD_SIZE]
         sequence, squares = values[Slot.SEQUENCE], values[Slot.SEQUENCE_SQUARED]
         return (
             sum(marks) == size
             and marks[_MARK_INDEX[self.kind]] == size
             and squares * size == sequence**2
-            and (self.kind not in (Kind.WINDOW, Kind.DIAGNOSIS) or self.lengths_agree())
+            and (self.kind is not Kind.WINDOW or self.lengths_agree())
         )
 
-    def check(self, where: str, detail: str = "", more: Sequence[str] = ()) -> None:
+    def check(self, where: str, detail: str = "", more: Sequence[str] = (), gather: bool = True) -> None:
         """Raise the same :class:`DenominatorError` on every rank if the ranks are out of step or any raised a problem
-        (``more``: the caller's own lines); this rank's ``detail`` is a note, so the message is the same everywhere."""
-        if not more and self.clean():
+        (``more``: the caller's own lines); this rank's ``detail`` is a note, so the message is the same everywhere.
+        Where the sum shows a problem, the ranks first gather their records to name who had it (unless ``gather`` is
+        false: then the message counts them)."""
+        clean = self.clean()
+        if clean and not more:
             return
-        if not self.in_step():
-            error = DenominatorError(self._out_of_step())
+        regather = gather and not clean and self.rows is None and self._gather is not None
+        named = self._gather() if regather and self._gather is not None else self
+        if not named.in_step():
+            error = DenominatorError(named._out_of_step())
             error.add_note(f"On rank {self.world.rank}: at {where}" + (f"; {detail}" if detail else ""))
             raise error
-        raise_lines([*self.lines(), *more], where, detail, self.world.rank)
+        raise_lines([*named.lines(), *more], where, detail, self.world.rank)
 
 
 def _float64(value: Tensor) -> Tensor:

@@ -195,6 +195,7 @@ class Window:
         self._following: Sequence[Entry] = ()  # lookahead: the next window's batches, counted in this record
         self._pass_end = PassEnd(NO_SLOTS, ())
         self._exchange: Exchange | None = None  # from the last forward on
+        self._shared_flags: Flags | None = None  # the problems the replica group shared (tensor parallelism)
         self._local: Tensor | float = 0.0  # this rank's count, read with the record
 
     @property
@@ -301,6 +302,7 @@ class Window:
             device.append((Slot.DIFFERENT, (left != right).sum(dtype=torch.float64)))
         if self.channel.world.replica_group is not None:
             device_flags, flags = _shared_with_replicas(self, flags, _device_flags(self)), frozenset()
+            self._shared_flags = device_flags  # every problem of the replica group: what its failure path names
         self._exchange = self.channel.start(Kind.WINDOW, sums, device, flags, device_flags)
 
     def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> Tensor | float:
@@ -316,8 +318,8 @@ class Window:
     def read(self) -> tuple[Reduced, float]:
         """The reduced record and this rank's count: the window's one host read. Raises every rank's problems.
 
-        Where a sum shows a problem of the device values, every rank (each read the same sum) works out its own and
-        exchanges them in one more collective, and all raise the same error naming the ranks.
+        Where the sum shows a problem, every rank (each read the same sum) works out its own and the ranks gather them
+        in one more collective, so all raise the same error naming the ranks.
         """
         exchange, local = self._started(), self._local
         if isinstance(local, Tensor):
@@ -325,9 +327,8 @@ class Window:
             local = reduced.local[0]
         else:
             reduced = exchange.read()
-        healthy = _healthy(self, reduced)
-        if not (healthy and reduced.clean()):  # the common case, told from a few slots
-            _raise_problems(self, reduced, healthy)
+        if not (_healthy(self, reduced) and reduced.clean()):  # the common case, told from a few slots
+            _raise_problems(self, reduced)
         self.ended = True
         return reduced, float(local)
 
@@ -367,20 +368,23 @@ def _check_order(window: Window, position: int, accumulate: int) -> None:
         )
 
 
-def _raise_problems(window: Window, reduced: Reduced, healthy: bool) -> None:
-    """Raise what the record shows; where the device values are unhealthy, every rank first works out its own
-    problems and exchanges them in one more collective, so all raise the same error naming the ranks."""
-    if not healthy and reduced.in_step():
-        length = float(window.length)
-        diagnosis = window.channel.reduce(
-            Kind.DIAGNOSIS,
-            {Slot.LENGTH: length, Slot.LENGTH_SQUARED: length**2},
-            _check_slots(window),
-            frozenset(window.flags),
-            _device_flags(window),
-        )
-        diagnosis.check(window.where, window.detail)
-    reduced.check(window.where, window.detail)
+def _raise_problems(window: Window, reduced: Reduced) -> None:
+    """Raise what the summed record shows. Where it shows a problem, every rank (each read the same sum) works out its
+    own problems, the device values' included, and the ranks gather them in one ``all_gather``, so all raise the same
+    error naming the ranks."""
+    if not reduced.in_step():
+        reduced.check(window.where, window.detail)  # the records gathered: which rank is at which collective
+    length = float(window.length)
+    shared = window._shared_flags  # under tensor parallelism, the replica group's problems (each rank has them)
+    window.channel.gather(
+        Kind.WINDOW,
+        {Slot.LENGTH: length, Slot.LENGTH_SQUARED: length**2},
+        _check_slots(window),
+        frozenset() if shared is not None else frozenset(window.flags),
+        _device_flags(window) if shared is None else shared,
+        sequence=window._started().sequence,
+    ).check(window.where, window.detail)
+    reduced.check(window.where, window.detail, gather=False)  # what the rows did not name is raised from the sum
 
 
 def count_received(
