@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast compat stress lint bench gpu clean
+.PHONY: demo test test-fast test-scripts compat stress lint bench gpu clean
 
 $(STAMP): pyproject.toml constraints.txt
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -15,8 +15,15 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/masked_lm.py
 
+# The package's tests; the scripts' end-to-end runs (`script`: the benchmarks, the demo) are a lane of their own,
+# which CI runs too.
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -m "not script"
+
+# Each benchmark script with its --quick settings (it runs, exits 0, writes its JSON) and the demo on a small corpus:
+# about 3½ minutes.
+test-scripts: $(STAMP)
+	$(PY) -m pytest -q -m script
 
 # Development lane: everything but the tests that launch real subprocesses (`slow`); doctests included.
 test-fast: $(STAMP)

@@ -19,6 +19,7 @@ from _old_torch import FSDP2_RUNS_ON_CPU, NO_FSDP2_ON_CPU
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 RESULTS = BENCHMARKS / "results"
 EXACT = 1e-12
+pytestmark = pytest.mark.script  # `make test-scripts`; CI runs it beside `make test`
 
 
 def run_script(name: str, tmp_path: Path, *args: str) -> dict[str, Any]:

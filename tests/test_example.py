@@ -216,6 +216,7 @@ def test_reference_batches_are_the_ddp_steps() -> None:
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.script  # `make test-scripts`; CI runs it beside `make test`
 def test_demo_end_to_end(tmp_path: Path) -> None:
     """Two cuts of one global batch on 2 processes (P×K = 2×2; micro-batches of 2 samples, dealt at random or by
     length, so that from step 1 on they hold other samples in each): both token-mean runs stay on the reference, the

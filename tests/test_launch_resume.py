@@ -79,13 +79,16 @@ def assert_matches_reference(out: Path, modes: tuple[str, ...] = MODES) -> None:
 def test_subprocess_launcher_both_modes(tmp_path: Path) -> None:
     """Lightning's default launcher re-runs the script per rank; deferred goes first, so it gets the real launch.
 
-    Lookahead then trains in the same two processes, on the process group the first fit set up.
+    Lookahead then trains in the same two processes, on the process group the first fit set up, by its registered
+    name (`strategy="ddp_token_mean"`), as users write it.
     """
-    run_job([script(tmp_path, "--mode", "deferred", "lookahead")], tmp_path / "logs")
+    run_job([script(tmp_path, "--mode", "deferred", "lookahead", "--by-name")], tmp_path / "logs")
     assert_matches_reference(tmp_path)
     assert_process_group_destroyed_before_exit(tmp_path)
     run = json.loads((tmp_path / "deferred" / "run.json").read_text())
-    assert run == {"environment": "LightningEnvironment", "world_size": 2, "num_nodes": 1}
+    strategy = "TokenMeanDDPStrategy"
+    assert run == {"environment": "LightningEnvironment", "world_size": 2, "num_nodes": 1, "strategy": strategy}
+    assert json.loads((tmp_path / "lookahead" / "run.json").read_text())["strategy"] == strategy  # by name
 
 
 @pytest.mark.distributed
@@ -129,10 +132,10 @@ def test_a_script_that_destroys_its_process_group_still_frees_it_before_exit(tmp
 
 @pytest.mark.distributed
 @pytest.mark.slow
-@pytest.mark.parametrize("mode", MODES)
-def test_spawn_launcher(tmp_path: Path, mode: str) -> None:
-    """Spawned workers unpickle the Trainer, the module and its data: all of it must be importable from `_harness`."""
-    strategy = TokenMeanDDPStrategy(mode=mode, start_method="spawn", process_group_backend="gloo")  # type: ignore[arg-type]
+def test_spawn_launcher(tmp_path: Path) -> None:
+    """Spawned workers unpickle the Trainer, the module and its data: all of it must be importable from `_harness`.
+    One mode (the default): the strategy pickles the same in both, and each launcher's modes are run elsewhere."""
+    strategy = TokenMeanDDPStrategy(start_method="spawn", process_group_backend="gloo")
     params, _ = fit(TokenModule(data()), strategy, tmp_path, accumulate_grad_batches=ACCUMULATE, max_epochs=EPOCHS,
                     callbacks=[DestroyProcessGroup()])
     expected, _ = reference(data(), constant(ACCUMULATE), epochs=EPOCHS)
@@ -169,7 +172,8 @@ def test_torchrun_one_node(tmp_path: Path) -> None:
     assert_process_group_destroyed_before_exit(tmp_path)
     for mode in MODES:
         run = json.loads((tmp_path / mode / "run.json").read_text())
-        assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 1}
+        assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 1,
+                       "strategy": "TokenMeanDDPStrategy"}
 
 
 @pytest.mark.distributed
@@ -198,7 +202,8 @@ def test_torchrun_two_nodes_on_loopback(tmp_path: Path) -> None:
     assert_process_group_destroyed_before_exit(tmp_path)
     for mode in MODES:
         run = json.loads((tmp_path / mode / "run.json").read_text())
-        assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 2}
+        assert run == {"environment": "TorchElasticEnvironment", "world_size": 2, "num_nodes": 2,
+                       "strategy": "TokenMeanDDPStrategy"}
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,8 +8,6 @@ where plain DDP is exact and has no control.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -646,18 +644,6 @@ def test_count_fn_for_tuple_batches(tmp_path: Path, mode: str) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 # what users run: Lightning's default subprocess launcher on a real script
 # ---------------------------------------------------------------------------------------------------------------
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_subprocess_launcher(tmp_path: Path) -> None:
-    script = Path(__file__).parent / "scripts" / "train_token_mean.py"
-    subprocess.run([sys.executable, str(script), str(tmp_path)], check=True, timeout=180, cwd=tmp_path)
-    params = torch.load(tmp_path / "params.pt", weights_only=True)
-    data = ragged_batches(2, 7, seed=11)
-    expected, _ = reference(data, constant(3), epochs=2)
-    assert relative_error({k.removeprefix("net."): v for k, v in params.items()}, expected) < EXACT
-    assert set(initial_state()) == {k.removeprefix("net.") for k in params}
 
 
 @pytest.mark.distributed

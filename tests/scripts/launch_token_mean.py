@@ -5,6 +5,7 @@ Several modes train one after the other in the same processes (under fork and sp
 that fails does not stop the next; the script then exits with status 1).
 
     python tests/scripts/launch_token_mean.py OUT_DIR --mode deferred                        # subprocess launcher
+    python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead --by-name    # strategy="ddp_token_mean"
     python tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred --start-method spawn
     torchrun --standalone --nproc_per_node=2 tests/scripts/launch_token_mean.py OUT_DIR --mode lookahead deferred
     torchrun --nnodes=2 --nproc_per_node=1 --node_rank=0 --master_addr=127.0.0.1 --master_port=29400 \\
@@ -96,7 +97,8 @@ class RunInfo(Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.global_rank == 0:
             environment = getattr(trainer.strategy, "cluster_environment", None)
-            info = {"environment": type(environment).__name__, "world_size": trainer.world_size}
+            info = {"environment": type(environment).__name__, "world_size": trainer.world_size,
+                    "strategy": type(trainer.strategy).__name__}
             (self.out / "run.json").write_text(json.dumps({**info, "num_nodes": trainer.num_nodes}))
 
 
@@ -132,6 +134,7 @@ def main() -> None:
     parser.add_argument("--rank1", choices=("stall", "nan"), help="make rank 1 stop answering, or its loss NaN")
     parser.add_argument("--timeout", type=float, help="seconds a collective may wait (DDP's `timeout`)")
     parser.add_argument("--destroy", action="store_true", help="destroy the process group after each fit")
+    parser.add_argument("--by-name", action="store_true", help='lookahead as `strategy="ddp_token_mean"` (popen)')
     args = parser.parse_args()
     if args.start_method == "fork":
         torch.set_num_threads(1)  # an OpenMP pool that has run does not survive a fork
@@ -143,13 +146,15 @@ def main() -> None:
         out: Path = args.out / mode
         out.mkdir(parents=True, exist_ok=True)
         kwargs: dict[str, Any] = {} if args.timeout is None else {"timeout": timedelta(seconds=args.timeout)}
-        strategy: DDPStrategy
+        strategy: DDPStrategy | str
         callbacks: list[Callback] = [Recorder(out), RunInfo(out)]
         if args.destroy:
             callbacks.append(DestroyProcessGroup(report))
         if mode == "plain":
             strategy = DDPStrategy(start_method=args.start_method, process_group_backend="gloo", **kwargs)
             callbacks.append(DenominatorMonitor())
+        elif args.by_name and mode == "lookahead" and args.start_method == "popen" and not kwargs:
+            strategy = "ddp_token_mean"  # the registry's: its defaults, gloo on the CPU
         else:
             strategy = TokenMeanDDPStrategy(
                 mode=mode, start_method=args.start_method, process_group_backend="gloo", **kwargs
