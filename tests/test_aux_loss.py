@@ -132,12 +132,23 @@ def test_logged_window_reports_both_parts(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
-def test_aux_loss_is_refused_in_deferred_mode(tmp_path: Path) -> None:
+@pytest.mark.parametrize("ranks", [(0, 1), (1,)], ids=["every-rank", "rank-1-only"])
+def test_aux_loss_is_refused_in_deferred_mode(tmp_path: Path, ranks: tuple[int, ...]) -> None:
+    """Refused on every rank before the first update, naming the ranks that returned it: also where one rank alone
+    does (a data-dependent term), which must not leave the other waiting in a collective."""
     data = data_with_empty((4, 4), seed=11)
+
+    def some_with_aux(module: TokenModule, batch: Batch, loss: Tensor) -> Any:
+        return with_aux(module, batch, loss) if module.global_rank in ranks else loss
+
     strategy = TokenMeanDDPStrategy(mode="deferred", **FORK)
     errors = raises_everywhere(
         tmp_path / "outcomes",
-        lambda: fit(TokenModule(data, output_fn=with_aux), strategy, tmp_path, accumulate_grad_batches=2),
+        lambda: fit(TokenModule(data, output_fn=some_with_aux), strategy, tmp_path, accumulate_grad_batches=2),
     )
+    who = "ranks 0, 1" if len(ranks) == 2 else "rank 1"
     for message in errors:
-        assert re.search(r"'aux_loss'.*mode='deferred'[\s\S]*mode='lookahead'", message), message
+        cause = f"DenominatorError: token_mean: {who}: an 'aux_loss' came with the loss under `mode='deferred'`"
+        assert message.startswith(cause), message
+        assert re.search(r"mode='deferred'[\s\S]*Fix: use `mode='lookahead'`", message), message
+    assert len(set(errors)) == 1

@@ -1039,15 +1039,18 @@ def test_aux_loss_is_averaged_over_the_windows_real_micro_batches(layout: str, s
 
 
 def test_deferred_refuses_aux_loss() -> None:
-    """Deferred mode only knows the token scale after the window's last backward: the first ``backward`` with an
-    ``aux_loss`` raises, before any gradient. Control: lookahead takes it (the test above)."""
-    _, model, _, accumulator, data = one_device("deferred")
-    batches = accumulator.batches(data)  # held: a pass whose iterator is dropped ends there
-    batch = next(batches)
-    with pytest.raises(ValueError, match=r"an 'aux_loss' came with the loss, which `mode='deferred'` cannot"
-                                         r" normalize.*Use `mode='lookahead'`"):
-        accumulator.backward(**with_aux(model, batch))
-    assert all(parameter.grad is None for parameter in model.parameters())
+    """Deferred mode only knows the token scale after the window's last backward: an ``aux_loss`` is a problem the
+    window raises on every rank at its end, before the update. Control: lookahead takes it (the test above)."""
+    _, model, optimizer, accumulator, data = one_device("deferred")
+    before = [parameter.detach().clone() for parameter in model.parameters()]
+    with pytest.raises(DenominatorError, match=r"^token_mean: rank 0: an 'aux_loss' came with the loss under"
+                                               r" `mode='deferred'`[\s\S]*Fix: use `mode='lookahead'`"):
+        for batch in accumulator.batches(data):
+            accumulator.backward(**with_aux(model, batch))
+            if not accumulator.accumulating:
+                accumulator.finish()
+                optimizer.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before, strict=True))
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -477,14 +477,8 @@ class _DeferredWindow(Window):
         return 0.0
 
     def forward_done(self, micro: MicroBatch, output: StepOutput, batch: Any) -> Tensor:
-        if output.aux_loss is not None:
-            raise ValueError(
-                "token_mean: an 'aux_loss' came with the loss, which `mode='deferred'` cannot normalize: its"
-                " token scale is only known after the last backward, when both terms already share one gradient"
-                " buffer. Use `mode='lookahead'` (the default), where 'aux_loss' is averaged over micro-batches,"
-                " or where each term can have its own count (`count_fn={'lm': ..., 'aux': ...}`, docs/counts.md,"
-                " objectives of several terms); adding it to 'loss' would average it over the tokens."
-            )
+        if output.aux_loss is not None:  # raised on every rank before the update; the backward runs without it
+            self.flag(Problem.AUX_LOSS_DEFERRED)
         settings = self._deferred.settings
         count: Tensor | float = 0.0
         if not micro.filler:

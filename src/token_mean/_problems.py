@@ -47,6 +47,13 @@ class Problem(Enum):
         "the 'aux_loss' of a micro-batch is NaN or infinite",
         "check the auxiliary term; it is averaged over every real micro-batch, empty ones included.",
     )
+    AUX_LOSS_DEFERRED = (
+        "an 'aux_loss' came with the loss under `mode='deferred'`, which cannot normalize it: its token scale is"
+        " only known after the last backward, when both terms already share one gradient buffer",
+        "use `mode='lookahead'` (the default), where 'aux_loss' is averaged over micro-batches or each term can"
+        " have its own count (`count_fn={'lm': ..., 'aux': ...}`, docs/counts.md, objectives of several terms);"
+        " adding it to 'loss' would average it over the tokens.",
+    )
     NUM_ITEMS_MISMATCH_COUNT_FN = (
         "`count_fn(batch)` and the 'num_items' reported with the loss (by `training_step`, or to"
         " `accumulator.backward`) disagree: two definitions of the denominator",
