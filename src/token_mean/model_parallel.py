@@ -26,7 +26,9 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
 
     :class:`~token_mean.TokenMeanDDPStrategy`'s objective, modes, counts and errors on Lightning's device mesh (apply
     the parallelism in ``configure_model``). N sums the counts over the data-parallel ranks; the tensor-parallel ranks
-    must count alike (one MAX all-reduce of 2·K floats per window). Details: ``docs/model_parallel.md``.
+    must count alike (one MAX all-reduce of 2·K floats per window). FSDP2's mean over the data-parallel ranks, or one
+    ``set_gradient_divide_factor(f)`` on every ``fully_shard`` module (torchtitan's sum: 1.0), scales each loss by
+    P·n/N or f·n/N. Details: ``docs/model_parallel.md``.
 
     Args:
         count_fn, loss_reduction, mode, pad_uneven_ranks: as for :class:`~token_mean.TokenMeanDDPStrategy`.
@@ -34,7 +36,8 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
 
     Raises:
         ValueError, TypeError: as for ``TokenMeanDDPStrategy``; in ``setup``, for a module sharded over another mesh
-            than the data-parallel one or with ``set_gradient_divide_factor``.
+            than the data-parallel one, modules with different ``set_gradient_divide_factor`` factors, or torch <
+            2.8's ``set_reduce_scatter_divide_factor`` (its factor is not kept).
         DenominatorError: on every rank at a window's end, if the tensor-parallel ranks count differently.
 
     Example:
@@ -69,7 +72,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
             if not check_reduction(self.model, data_parallel, type(self).__name__) and data_parallel > 1:
                 rank_zero_warn(
                     f"`{type(self).__name__}`: no module is wrapped with `fully_shard`, but the data-parallel size is"
-                    f" {data_parallel}. The token mean assumes the gradients are averaged over the data-parallel"
+                    f" {data_parallel}. The token mean assumes the gradients are reduced over the data-parallel"
                     " ranks; apply `fully_shard(..., mesh=self.device_mesh['data_parallel'])` in `configure_model`."
                 )
             self._outputs = Outputs(self.model)
