@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import torch
 from _fabric import data_rank, full_state, launched, plain_loop, rank_batches, setup, shifted_count, shifted_loss
+from _fabric_loop import FABRICS, MISSES, ddp, ragged, reference
 from _harness import EXACT, MODES, Batch, ListDataset, lightning_steps, reference_steps, relative_error
 from lightning.fabric import Fabric
-from test_fabric_guarantees import FABRICS, MISSES, ddp, ragged, reference
 from torch import Tensor
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -190,7 +190,7 @@ def test_gradients_zeroed_in_place_after_leaving_a_pass(mode: str, leave: str, l
     gradient is all zeros, rank 0's is not, and both ranks must still decide alike). The second pass runs on both
     ranks and the result is the reference over window 1 of the first pass, then the whole second pass. Control: the
     reference without the first window misses (that window did train), and without the zeroing a pass left inside a
-    window raises (``test_fabric_guarantees.test_a_pass_left_mid_window_then_a_new_pass``). FSDP2 keeps the partial
+    window raises (``test_fabric_misuse.test_a_pass_left_mid_window_then_a_new_pass``). FSDP2 keeps the partial
     gradient unsharded inside, where ``zero_grad`` does not reach: the accumulator drops it (kept, the run ends 0.3
     to 0.6 off)."""
     data = ragged(2, 4, seed=63)
@@ -277,7 +277,7 @@ def test_validation_after_a_step_whose_last_batch_is_a_filler_counts_every_rank(
     validation loss is the float64 token mean over all validation batches at that step's parameters, and its count
     is theirs. Control: the same validation inside the filler's mark (the mark's old lifetime) drops rank 1's items
     at step 2 and misses."""
-    from test_fabric_guarantees import validation_batches
+    from _fabric_loop import validation_batches
 
     data = ragged(2, 4, seed=64)
     data[1] = data[1][:3]
@@ -458,7 +458,7 @@ def test_the_monitor_numbers_a_resumed_runs_windows_on(tmp_path: Path, mode: str
     the float64 reference's N, loss, gradient norm and parameter norm of window 3, and its comparison with the
     uninterrupted run's trace finds no divergence. Control: numbered from 0 again (the saved window count dropped),
     the same run compares its window 3 with the reference's step 0 and reports a divergence there."""
-    from test_fabric_guarantees import monitor_data, trajectory
+    from _fabric_loop import monitor_data, trajectory
 
     from token_mean._trace import read_trace
 

@@ -2,7 +2,7 @@
 
 ``for window in accumulator.windows(loader): for batch in window: ...; window.finish()`` must train exactly what
 LitGPT's shape trains (the float64 reference at 1e-12, and the batches() loop's parameters bit for bit), read the
-loader no further, and make misuse an error at once, as the batches() loop does (``test_fabric_guarantees.py``,
+loader no further, and make misuse an error at once, as the batches() loop does (``test_fabric_misuse.py``,
 section 4). The loops are ``tests/_fabric.py``'s ``accumulator_loop`` (``shape="windows"``); LitGPT's plain loop is
 the control that must miss.
 """
@@ -352,7 +352,7 @@ def left_mid_window(fabric: Fabric, data: list[list[Batch]], mode: str) -> None:
 @pytest.mark.parametrize("mode", MODES)
 def test_every_rank_raises_the_same(tmp_path: Path, mode: str) -> None:
     """A loop error is local: on 2 DDP ranks running the same loop, each raises it, with the same message."""
-    from test_fabric_guarantees import every_rank_raises, one_message
+    from _fabric_loop import every_rank_raises, one_message
 
     message = one_message(every_rank_raises(forked_ranks(), tmp_path, left_mid_window, ragged(2, 4, seed=65), mode))
     assert message.startswith("RuntimeError: A window of `accumulator.windows(...)` was finished or left at batch 0")

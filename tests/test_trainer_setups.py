@@ -1,5 +1,5 @@
-"""Never silently wrong: every training setup Lightning accepts is exact under the strategy, or refused with the
-same clear error on every rank.
+"""The Trainer's setups: every training setup Lightning accepts (loaders, samplers, ``None`` batches, K schedules,
+resumes, SWA, length hints) is exact under the strategy, or refused with the same clear error on every rank.
 
 One section per setup. A supported setup is compared with the plain-torch float64 reference over the optimizer steps
 that Lightning's own stepping rule makes of the same per-rank batches (relative error < 1e-12), next to a plain
@@ -794,14 +794,14 @@ def test_numpy_integer_count(tmp_path: Path, mode: str) -> None:
 @pytest.mark.parametrize("source", ["args", "yaml"])
 def test_count_fn_by_import_path_in_lightning_cli(tmp_path: Path, mode: str, source: str) -> None:
     """A plain function without a return annotation, named by its import path."""
-    from _never_wrong_cli import CLIModule, count_tokens
+    from _cli_module import CLIModule, count_tokens
     from lightning.pytorch.cli import LightningCLI
 
     common = ["--trainer.accelerator=cpu", "--trainer.devices=1", "--trainer.logger=false"]
     if source == "args":
         args = [
             "--trainer.strategy=token_mean.TokenMeanDDPStrategy",
-            "--trainer.strategy.count_fn=_never_wrong_cli.count_tokens",
+            "--trainer.strategy.count_fn=_cli_module.count_tokens",
             f"--trainer.strategy.mode={mode}",
             *common,
         ]
@@ -812,7 +812,7 @@ def test_count_fn_by_import_path_in_lightning_cli(tmp_path: Path, mode: str, sou
             "  strategy:\n"
             "    class_path: token_mean.TokenMeanDDPStrategy\n"
             "    init_args:\n"
-            "      count_fn: _never_wrong_cli.count_tokens\n"
+            "      count_fn: _cli_module.count_tokens\n"
             f"      mode: {mode}\n"
         )
         args = [f"--config={config}", *common]
@@ -1407,7 +1407,7 @@ def test_len_understates_the_loader_under_fabric(tmp_path: Path, mode: str) -> N
     accumulator, whose pass is sized by `len()`, raises on every rank at the pass's last window instead of silently
     training 10."""
     from _fabric import fabric_for, launched
-    from test_fabric_guarantees import every_rank_raises
+    from _fabric_loop import every_rank_raises
 
     data = ragged(2, HOLDS, seed=222)
     if mode == "plain":

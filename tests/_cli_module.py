@@ -1,5 +1,5 @@
 """A count function and a module that LightningCLI imports by dotted path from its arguments
-(``test_never_wrong.py::test_count_fn_by_import_path_in_lightning_cli``)."""
+(``test_trainer_setups.py::test_count_fn_by_import_path_in_lightning_cli``)."""
 
 from __future__ import annotations
 
