@@ -22,7 +22,7 @@ from torch import Tensor, nn
 from token_mean import DenominatorError, WindowStats
 from token_mean._counts import count_valid_labels
 from token_mean._epoch import UNKNOWN_END, Epoch, Passes
-from token_mean._layout import World, after_reduction
+from token_mean._layout import World, unhooked_layout
 from token_mean._modes import Mode, make_mode
 from token_mean._problems import Problem
 from token_mean._reader import Reader
@@ -146,7 +146,7 @@ class Loop:
         self.initial = copy.deepcopy(self.model)
         self.reader = Reader(Loader(self.batches))
         settings = replace(self.settings, mode=self.mode_name)
-        self.mode: Mode = make_mode(settings, after_reduction(self.model, World.single()), rank_counts=False)
+        self.mode: Mode = make_mode(settings, unhooked_layout(self.model, World.single()), rank_counts=False)
         self.passes = Passes(self.mode, self.settings.pad_uneven_ranks)
 
     def start(self) -> Epoch:

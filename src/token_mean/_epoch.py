@@ -56,7 +56,7 @@ class Epoch:
         self._own_length = own_length
         self._pad = pad_uneven_ranks
         self._window: Window | None = None  # the window being trained, or the last one that ended
-        self._next_counts: Counts | None = None  # lookahead: the next window's, announced by the last one
+        self._next_counts: Counts | None = None  # lookahead: the next window's, counted in the last one's record
 
     def begin(self) -> Epoch:
         """The pass starts. A stream costs one blocking collective here, before any batch is fetched: do the ranks

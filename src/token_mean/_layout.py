@@ -121,11 +121,12 @@ def layout(strategy: Any, model: Module) -> Layout:
             join_backward=lambda: _torch.shadow_ddp_backward(model),
             sync_flags=lambda: (model.require_forward_param_sync,),
         )  # what the forward prepared
-    return after_reduction(model, world)
+    return unhooked_layout(model, world)
 
 
-def after_reduction(model: Module, world: World) -> Layout:
-    """A model whose reduction (FSDP2's, or none on one device) averages over the ranks with no hook of ours."""
+def unhooked_layout(model: Module, world: World) -> Layout:
+    """The layout of a model whose reduction (FSDP2's, or none on one device) divides the ranks' sum by P or by its
+    own factor, with no hook of ours."""
     groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
     divisors = {divisor for _, _, divisor in _torch.fsdp_reductions(model)}
     if len(divisors) == 1 and None not in divisors:  # else refused by check_reduction before the first window

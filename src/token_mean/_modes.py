@@ -73,7 +73,7 @@ class Mode:
 
     def open(self, start: int, stop: int, accumulate: int, step: str, counts: Counts | None, reader: Reader) -> Window:
         """The window ``[start, stop)`` with K = ``accumulate``; lookahead: its ``counts`` if the previous window
-        announced them, else its batches, read ahead from ``reader``, to count now."""
+        counted them in its record, else its batches, read ahead from ``reader``, to count now."""
         raise NotImplementedError
 
     def count_skipped(self, stats: WindowStats) -> None:
@@ -135,9 +135,9 @@ class Lookahead(Mode):
 
     def count_following(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
         """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``; with
-        several terms, each term's count of each batch (:meth:`_announce_terms`)."""
+        several terms, each term's count of each batch (:meth:`_count_following_terms`)."""
         if self.settings.terms:
-            return self._announce_terms(entries, window)
+            return self._count_following_terms(entries, window)
         local, real = [], 0.0
         for entry in entries:
             real += not entry.filler
@@ -158,7 +158,7 @@ class Lookahead(Mode):
             total = 0.0
         return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
 
-    def _announce_terms(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
+    def _count_following_terms(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
         terms = self.settings.terms
         local: list[tuple[float, ...]] = []
         for entry in entries:
@@ -189,8 +189,9 @@ class Lookahead(Mode):
     def agreed_counts(
         self, reduced: Reduced, stop: int, local: list[Any], window: Window, where: Callable[[], str]
     ) -> Counts:
-        """The announced counts of the window ``where`` names, which ends at ``stop``, raising an N that cannot
-        normalize before its use (``window``: the one whose record brought them); several terms: an N per term."""
+        """The counts, read ahead and summed over the ranks, of the window ``where`` names, which ends at ``stop``,
+        raising an N that cannot normalize before its use (``window``: the one whose record brought them); several
+        terms: an N per term."""
         terms = len(self.settings.terms)
         counts = [reduced.term(t, TERM_NEXT_COUNT) for t in range(terms)] if terms else [reduced[Slot.NEXT_COUNT]]
         for global_count in counts:
