@@ -219,8 +219,8 @@ class Channel:
     def gather(self, kind: Kind, *contents: Any, sequence: int, **named: Any) -> Reduced:
         """The failure path: every rank's :meth:`record` of collective number ``sequence`` (one ``all_gather``, a
         host read), summed, with the rows that say which rank set which mark."""
-        rows = self._all_gather(self.record(kind, *contents, sequence=sequence, **named))
-        return Reduced(kind, rows.sum(0).tolist(), self.world, [], self.terms, rows.tolist())
+        rows: list[list[float]] = self._all_gather(self.record(kind, *contents, sequence=sequence, **named)).tolist()
+        return Reduced(kind, [sum(column) for column in zip(*rows, strict=True)], self.world, [], self.terms, rows)
 
     def _all_gather(self, record: Tensor) -> Tensor:
         """Every rank's ``record``, a row each (this rank's alone where no collective runs)."""
@@ -394,8 +394,7 @@ class Reduced:
         clean = self.clean()
         if clean and not more:
             return
-        regather = gather and not clean and self.rows is None and self._gather is not None
-        named = self._gather() if regather and self._gather is not None else self
+        named = self if clean or not gather or self.rows is not None or self._gather is None else self._gather()
         if not named.in_step():
             error = DenominatorError(named._out_of_step())
             error.add_note(f"On rank {self.world.rank}: at {where}" + (f"; {detail}" if detail else ""))
