@@ -14,9 +14,9 @@ Events between a window's first forward (``LightningModule.training_step``) and 
 (``LightningModule.backward``; the strategy reads the window's record after it, in its ``backward`` hook) are also
 filed under the window's *in-window* tally: on a GPU a host read there would stall the device before a backward.
 
-Each event also gets an origin from the Python stack: ``host_count`` when ``token_mean._counts.read_count`` or
-``host_count`` is on it (lookahead counting the batch the loader yielded, or either mode counting CPU labels with
-numpy: a CPU tensor, so reading it never waits for an accelerator), ``count`` when the count function
+Each event also gets an origin from the Python stack: ``host_count`` when ``token_mean._counts.read_count`` is on
+it (lookahead counting the batch the loader yielded: a CPU tensor, so reading it never waits for an accelerator),
+``count`` when the count function
 (``count_valid_labels``, the default in these runs) is on it otherwise (a device batch, the monitor's count),
 ``token_mean`` when the innermost frame outside torch is in the package, else ``other`` (Lightning, DDP, the model).
 The figures that the tests pin are differences against plain ``DDPStrategy`` in the same harness, so Lightning's own
@@ -47,7 +47,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import token_mean
 from token_mean import DenominatorMonitor, _lightning
-from token_mean._counts import count_shifted_labels, count_valid_labels, host_count, read_count
+from token_mean._counts import count_shifted_labels, count_valid_labels, read_count
 
 DEVICES, ACCUMULATE = 2, 4
 WINDOWS_PER_EPOCH, EPOCHS = 3, 3
@@ -57,7 +57,7 @@ LOADERS = ("sized", "unsized")
 
 _TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
 _TOKEN_MEAN_DIR = os.path.dirname(token_mean.__file__) + os.sep
-_HOST_COUNTS = (read_count.__code__, host_count.__code__)
+_HOST_COUNTS = (read_count.__code__,)
 _COUNT_FNS = (count_valid_labels.__code__, count_shifted_labels.__code__)  # the runs' count_fn
 _THIS_FILE = __file__
 _READS_WITHOUT_AN_OP = ("tolist", "numpy", "cpu")  # host reads that dispatch no aten op (item() dispatches one)

@@ -26,38 +26,36 @@ from _fabric import shifted_loss
 PINNED: dict[str, list[tuple[str, ...]]] = {
     "sized": [
         ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
-        # lookahead counts each batch once, read ahead on the CPU batch (4 host reads of the count: numpy's view of
-        # the labels, whose detach is the one op); the batch `training_step` receives holds the very tensors counted
+        # lookahead counts each batch once, read ahead on the CPU batch (4 host reads of the count, `item()` of its
+        # `ne` and `sum`); the batch `training_step` receives holds the very tensors counted
         # (CPU, no hook), so it is not counted again. Per micro-batch: the loss times its host scale and that
-        # product's backward. Per window: the next window's counts (4 ops), the loss sum (stack, to float64, a dot
+        # product's backward. Per window: the next window's counts (8 ops), the loss sum (stack, to float64, a dot
         # with the host weights), the record and its read
         ("lookahead (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+16 (4 the count)", "0"),
-        # deferred counts the batch `training_step` received: its CPU labels with numpy (a host read of a CPU
-        # tensor, 1 op), and scales the loss by count / D (a reciprocal and a product, and the product's backward);
-        # per window the sums the record carries (on the host: the counts are host floats), the gradient factor and
-        # the comm hook
-        ("deferred (extra)", "+1 allreduce", "0", "0 (+4 count_fn, CPU batch)", "+1 (+4 count_fn, CPU batch)", "0",
-         "+5 (1 the count)", "+29 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+20 (8 the count)", "0"),
+        # deferred counts the batch `training_step` received on its device, with no host read (`ne`, `sum`: 2 ops), and
+        # scales the loss by count / D (the count in float64, a reciprocal and a product, and the product's
+        # backward); per window the sums the record carries (on the device), the gradient factor and the comm hook
+        ("deferred (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+41 (8 the count)", "0"),
         ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+45 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+16 (4 the count)", "0"),
-        ("deferred + monitor (extra)", "+1 allreduce", "0", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "0", "+5 (1 the count)", "+29 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+1", "+2", "+20 (8 the count)", "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+6 (2 the count)", "+41 (8 the count)",
+         "0"),
     ],
     "unsized": [
         ("plain (absolute)", "4 broadcast", "0", "3", "4", "1", "49", "220", "2"),
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+16 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+20 (8 the count)", "0"),
         # a stream's end rides in each window's record: deferred peeks one batch before the last backward (the
         # loader yields fresh memory), so the window costs one collective
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (1 the count)", "+29 (4 the count)", "0"),
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)", "+41 (8 the count)",
+         "0"),
         ("plain + monitor (extra)", "+1 allreduce", "0", "0", "+1", "0", "+5 (2 the count)", "+45 (8 the count)", "0"),
         ("lookahead + monitor (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+16 (4 the count)", "0"),
-        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+5 (1 the count)", "+29 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+2", "+20 (8 the count)", "0"),
+        ("deferred + monitor (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (2 the count)",
+         "+41 (8 the count)", "0"),
     ],
 }
 
@@ -150,24 +148,24 @@ FABRIC_PINNED: dict[str, list[tuple[str, ...]]] = {
         # loader's length and exchange the first window's counts, before any forward: 2 all-reduces, read once
         # each. Per micro-batch: the loss times its host scale and that product's backward, instead of `loss / K`
         # and its backward: +1. Per window: the read-ahead counts of the next window on the batches as the loader
-        # yielded them (4 host reads, 4 ops; on the CPU batches beneath the loader, which moves each batch to the
+        # yielded them (4 host reads; on the CPU batches beneath the loader, which moves each batch to the
         # device only as the loop takes it: the same tensors on the CPU, so not counted again) and the record
         ("lookahead (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+1", "+12 (4 the count)", "0"),
-        # per pass: the length only. Per micro-batch: the count of the CPU labels with numpy (1 op), the loss
-        # scaled by count / D and the product's backward, in place of `loss / K` (2 ops): +4. Per window, 16 of
-        # those and the sums the record carries, the gradient factor and DDP's bucket scaled in the comm hook
-        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+1", "+4 (1 the count)", "+25 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+2", "+1", "+20 (12 the count)", "0"),
+        # per pass: the length only. Per micro-batch: the count on the batch's device (`ne`, `sum`, to float64), the
+        # loss scaled by count / D and the product's backward, in place of `loss / K`: +6. Per window, 24 of those
+        # and the sums the record carries, the gradient factor and DDP's bucket scaled in the comm hook
+        ("deferred (extra)", "+1 allreduce", "+1 allreduce", "0", "+1", "+1", "+6 (3 the count)", "+41 (12 the count)",
+         "0"),
     ],
     "unsized": [
         ("LitGPT loop (absolute)", "0", "0", "0", "0", "1", "55", "244", "2"),
         # per pass, a stream: the ranks agree that every one is unsized (the length's all-reduce) and that each
         # holds batches (1 more); its end then rides in each window's record
         ("lookahead (extra)", "+1 allreduce", "+3 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+3", "+1", "+12 (4 the count)", "0"),
-        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0 (+4 count_fn, CPU batch)",
-         "+1 (+4 count_fn, CPU batch)", "+2", "+4 (1 the count)", "+25 (4 the count)", "0"),
+         "+1 (+4 count_fn, CPU batch)", "+3", "+1", "+20 (12 the count)", "0"),
+        ("deferred (extra)", "+1 allreduce", "+2 allreduce", "0", "+1", "+2", "+6 (3 the count)", "+41 (12 the count)",
+         "0"),
     ],
 }
 

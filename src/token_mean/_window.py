@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import Tensor
 
 from token_mean import _torch
-from token_mean._counts import device_count, first_labels, host_count
+from token_mean._counts import device_count, first_labels
 from token_mean._layout import WindowCheck
 from token_mean._problems import Problem
 from token_mean._reader import Entry
@@ -389,16 +389,14 @@ def _raise_problems(window: Window, reduced: Reduced) -> None:
 
 def count_received(
     window: Window, batch: Any, num_items: Any, count_fn: Callable[[Any], Any], given: bool, use_num_items: bool
-) -> Tensor | float:
-    """The count of the batch the forward received, with no host sync: a host float where a named label count
-    reads CPU labels with numpy, else a float64 device scalar. With ``use_num_items`` a reported 'num_items' is
+) -> Tensor:
+    """The count of the batch the forward received, a float64 device scalar (no host sync). With ``use_num_items`` a reported 'num_items' is
     the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
     reported = None if num_items is None else window.on_device(num_items, "'num_items'")
-    counted: Tensor | float | None = None
+    counted: Tensor | None = None
     if given or num_items is None or not use_num_items:
-        host = host_count(count_fn, batch)
         try:
-            counted = float(host) if host is not None else window.on_device(count_fn(batch), "`count_fn`")
+            counted = window.on_device(count_fn(batch), "`count_fn`")
         except Exception as error:  # every rank must reach the collective to learn of it
             window.flag(
                 Problem.COUNT_FAILED,
