@@ -47,13 +47,11 @@ absolute numbers; every other row is the **extra** over it (same loader, no moni
 netted out: under DDP it broadcasts a SIGTERM flag and reads it with `.item()` before every batch (the 4 broadcasts \
 and 4 reads per window of the plain row). DDP's gradient all-reduce ({gradient} per window here, one bucket) is the \
 same in every run and left out; in deferred mode it runs in the strategy's comm hook instead of DDP's C++ reducer. \
-"(+n count_fn, CPU batch)": host reads of a built-in label count on a batch held on the host, which never wait \
-for a device: lookahead's on the next window's batches as the loader yielded them, before they move to the device; \
-deferred mode's on the batch `training_step` received, which is on the host only in this CPU harness (on an \
-accelerator deferred mode counts on the device, with no read); "(n the count)": the ops of the count itself: the \
-built-in label counts read host labels through numpy (1 op, the view's `detach`; lookahead counts each batch once, \
-read ahead, and again as `training_step` received it only when a hook moved or changed its tensors, 2 more ops \
-then); the monitor under plain DDP counts on the batch with `count_valid_labels` (`ne`, `sum`).
+"(+n count_fn, CPU batch)": lookahead's host reads of its count of the next window's batches as the loader \
+yielded them, before they move to the device, which never wait for a device; deferred mode counts the batch \
+`training_step` received on its device, with no read; "(n the count)": the ops of the count itself \
+(`count_valid_labels`: `ne`, `sum`; lookahead counts each batch once, read ahead, and again as `training_step` \
+received it only when a hook moved or changed its tensors).
 
 - **Host reads between a window's first forward and its last backward: 0** in both modes, both loaders, with and \
 without the monitor, except the label counts' reads of host batches above. The window's record is read \
@@ -80,8 +78,8 @@ pass the DataLoader reads its base seed); the others are the extra over it. "Per
 `accumulator.batches(loader)`.
 
 - **One all-reduce per window** and **no host read between a window's first forward and its last backward** in \
-both modes, except the label counts' reads of host batches (lookahead's on the next window's batches beneath a \
-loader that moves them, moving each as the loop takes it; deferred mode's on the CPU batches of this harness). The \
+both modes, except lookahead's reads of its counts of host batches (the next window's, beneath a loader that moves \
+them, moving each as the loop takes it). The \
 window's record is read once, in `accumulator.finish()`, after the last backward.
 - **Per pass**: the ranks agree on the loader's length (a stream: that every rank is unsized, and that each holds \
 batches), plus lookahead's first-window counts.
