@@ -25,9 +25,11 @@ test: $(STAMP)
 test-scripts: $(STAMP)
 	$(PY) -m pytest -q -m script
 
-# Development lane: everything but the tests that launch real subprocesses (`slow`); doctests included.
+# Development lane, about a minute: the in-process tests (the property tests, the window's, counts', modes', …, and
+# doctests) and the forked gloo tests marked `core` (exactness in both front ends against the reference, the pinned
+# costs). `make test` runs the rest: every other forked gloo case, and the real launches (`slow`).
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow"
+	$(PY) -m pytest -q -m "(core and not slow) or not (distributed or slow or script)"
 
 # The full suite on the oldest and the newest torch pyproject.toml declares (.ci/compat): each in a venv cached under
 # ~/.cache/token-mean/, built on first use (a CUDA build of torch from the package index, ~5 GB each), about 12 minutes

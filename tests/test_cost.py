@@ -19,6 +19,8 @@ import torch.distributed as dist
 from _cost import ACCUMULATE, LOADERS, measure, run, summarize, table_rows
 from _fabric import shifted_loss
 
+pytestmark = pytest.mark.core  # in `make test-fast`
+
 # The rows of benchmarks/results/cost.md, without the loader column. Per rank, P = 2, K = 4. Plain DDP in absolute
 # numbers (Lightning broadcasts a SIGTERM flag and reads it with `.item()` before every batch), every other row the
 # extra over it. Columns: collectives / window, / epoch; host reads from the window's first forward to its last

@@ -30,6 +30,8 @@ from torch.nn.parallel import DistributedDataParallel
 
 from token_mean._layout import shared_world
 
+pytestmark = pytest.mark.core  # in `make test-fast`
+
 MISSES = 1e-6
 
 # (layout, devices, tensor-parallel size): DDP, FSDP2 alone (DP = 2), FSDP2 × TP on a 2 × 2 mesh

@@ -45,6 +45,8 @@ from torch.utils.data import DataLoader
 
 from token_mean import TokenMeanDDPStrategy
 
+pytestmark = pytest.mark.core  # in `make test-fast`
+
 
 def with_empty(data: list[list[dict[str, Tensor]]], cells: list[tuple[int, int]]) -> list[list[dict[str, Tensor]]]:
     data = [list(rank) for rank in data]
