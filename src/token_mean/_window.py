@@ -390,8 +390,9 @@ def _raise_problems(window: Window, reduced: Reduced) -> None:
 def count_received(
     window: Window, batch: Any, num_items: Any, count_fn: Callable[[Any], Any], given: bool, use_num_items: bool
 ) -> Tensor:
-    """The count of the batch the forward received, a float64 device scalar (no host sync). With ``use_num_items`` a reported 'num_items' is
-    the count; where both it and ``count_fn`` (``given``: the user's own) give one, they are checked to agree."""
+    """The count of the batch the forward received, a float64 device scalar (no host sync). With ``use_num_items``
+    a reported 'num_items' is the count; where both it and ``count_fn`` (``given``: the user's own) give one, they
+    are checked to agree."""
     reported = None if num_items is None else window.on_device(num_items, "'num_items'")
     counted: Tensor | None = None
     if given or num_items is None or not use_num_items:
