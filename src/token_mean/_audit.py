@@ -26,7 +26,7 @@ from torch import Tensor, nn
 from token_mean import _observers, _torch
 from token_mean._counts import read_count
 from token_mean._layout import World
-from token_mean._settings import Settings
+from token_mean._settings import LossReduction, Settings, Term
 from token_mean.errors import AuditError, DenominatorError
 from token_mean.results import Audit
 
@@ -92,7 +92,7 @@ class Objective:
 
     loss_fn: LossFn
     count_fn: Callable[[Any], Any]
-    loss_reduction: str  # "mean": a micro-batch's loss is the mean over its count; "sum": the sum
+    loss_reduction: LossReduction  # "mean": a micro-batch's loss is the mean over its count; "sum": the sum
     with_aux: bool = False  # add the mean of 'aux_loss' over the window's real micro-batches (the strategy's)
     context: Callable[[], AbstractContextManager[Any]] = nullcontext  # the forward's precision context
     terms: tuple[Any, ...] = ()  # an objective of several terms: (name, count, reduction) each; the loss a mapping
@@ -161,9 +161,9 @@ def objective_error(
     """
     parameters = audited_parameters(module)
     device, group, distributed = world.device, world.group, world.distributed
-    terms = objective.terms or (("", objective.count_fn, objective.loss_reduction),)
+    terms = objective.terms or (Term("", objective.count_fn, objective.loss_reduction),)
     read = [
-        [(0.0, None, "") if mb.filler else read_count(count_fn, mb.batch) for _, count_fn, _ in terms]
+        [(0.0, None, "") if mb.filler else read_count(term.count_fn, mb.batch) for term in terms]
         for mb in micro_batches
     ]
     counts = [tuple(count for count, _, _ in row) for row in read]
@@ -295,9 +295,9 @@ def count_check(
     ``world`` (the ranks that share N; tensor-parallel peers check the same batches): the largest relative mismatch
     (None: nothing decided), the error every rank raises (None: passed) and the warnings every rank gives (the
     check could not decide). ``objective.loss_fn`` gives the step's output; ``step`` names it in messages."""
-    from token_mean._count_check import Replays, Sample, check, decide, forwards_per_sample
+    from token_mean._count_check import Replays, Sample, Term, check, decide, forwards_per_sample
 
-    terms = objective.terms or ((None, objective.count_fn, objective.loss_reduction),)
+    terms = objective.terms or (Term(None, objective.count_fn, objective.loss_reduction),)
     samples = [Sample(mb.batch, mb.filler, mb.trained) for mb in recorded]
 
     def replay(batch: Any, index: int) -> Any:
@@ -349,7 +349,7 @@ class FirstWindowCheck:
         self._recorded.append(Recorded(batch, capture_rng(), filler, index))
 
     def trained(self, output: Any) -> None:
-        names = [name for name, _, _ in self._settings.terms]
+        names = [term.name for term in self._settings.terms]
         if self._recorded:
             self._recorded[-1] = replace(self._recorded[-1], trained=trained_losses(output, names))
 
@@ -386,9 +386,9 @@ def _weigher(objective: Objective, terms: Sequence[Any], global_counts: Sequence
     ) -> Tensor | None:
         loss, aux = replayed
         total = None
-        for (name, _, reduction), count, global_count in zip(terms, counts, global_counts, strict=True):
-            value = (loss.get(name) if isinstance(loss, Mapping) else None) if objective.terms else loss
-            part = _weighted(value if isinstance(value, Tensor) else None, count, reduction, global_count)
+        for term, count, global_count in zip(terms, counts, global_counts, strict=True):
+            value = (loss.get(term.name) if isinstance(loss, Mapping) else None) if objective.terms else loss
+            part = _weighted(value if isinstance(value, Tensor) else None, count, term.reduction, global_count)
             dtypes += [value.dtype] if isinstance(value, Tensor) else []
             total = part if total is None else total if part is None else total + part
         dtypes += [aux.dtype] if aux is not None else []

@@ -23,7 +23,7 @@ import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 import torch
 from lightning_utilities.core.apply_func import apply_to_collection
@@ -45,8 +45,16 @@ SEED = 0x5EED
 Replay = Callable[[Any, int], Any]
 """(batch, index in the window) → the step's output (a loss, or a mapping), without gradient, leaving parameters,
 buffers and RNG streams as they were."""
-Term = tuple["str | None", Any, str]
-"""(name, count, reduction); the name None for an objective of one term."""
+
+
+class Term(NamedTuple):
+    """One term of the objective checked (a ``_settings.Term``'s fields)."""
+
+    name: str | None  # None for an objective of one term
+    count_fn: Any
+    reduction: str
+
+
 Outcome = Literal["passed", "failed", "undecided", "random", "error"]
 
 
@@ -276,7 +284,7 @@ def check(
     it (naming the counts that satisfy it on every micro-batch); once every micro-batch was tried, it passed if one
     decided. ``num_items``: a reported ``num_items`` is the count (deferred); ``others``: the other terms, whose
     counts are named if they satisfy this term's loss."""
-    judging = _Judging(replays, term, num_items, batch_statistics)
+    judging = _Judging(replays, Term(*term), num_items, batch_statistics)
     passed = False
     for index in range(len(replays.samples)):
         try:
@@ -305,7 +313,7 @@ class _Judging:
         return [] if sample.filler else plan(count_fn, sample.batch, self.batch_statistics)
 
     def whole(self, index: int) -> tuple[Tensor | None, Any]:
-        return term_of(self.replays.output(index, ("whole",), self.replays.samples[index].batch), self.term[0])
+        return term_of(self.replays.output(index, ("whole",), self.replays.samples[index].batch), self.term.name)
 
     def tolerance(self, index: int) -> float:
         loss = self.whole(index)[0]
@@ -317,7 +325,7 @@ class _Judging:
         if cut is None:
             return None
         halves = [
-            term_of(self.replays.output(index, (key or "rows", half), part), self.term[0])
+            term_of(self.replays.output(index, (key or "rows", half), part), self.term.name)
             for half, part in (("S", cut.keep), ("R", cut.rest))
         ]
         whole = self.whole(index)
@@ -326,7 +334,7 @@ class _Judging:
         return Tried(key, parts, [_float(loss) for loss, _ in outputs], [items for _, items in outputs], cut.what)
 
     def judged(self, tried: Tried, count_fn: Any, reduction: str, tolerance: float) -> Judged:
-        own = self.num_items and count_fn is self.term[1]  # deferred: the step's reported count is its count
+        own = self.num_items and count_fn is self.term.count_fn  # deferred: the step's reported count is its count
         counts = [_count(count_fn, part, items, own) for part, items in zip(tried.parts, tried.items, strict=True)]
         return judge(counts, tried.losses, reduction, tolerance)
 
@@ -341,7 +349,7 @@ class _Judging:
             return None  # too few labels (rows) to cut: the other micro-batches decide
         loss, tolerance = self.whole(index)[0], self.tolerance(index)
         again = sample.trained if sample.trained is not None else self.replays.output(index, ("again",), sample.batch)
-        reference = term_of(again, self.term[0])[0]
+        reference = term_of(again, self.term.name)[0]
         if not _same(loss, reference, tolerance):
             what = "trained on" if sample.trained is not None else "gave the first time"
             return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
@@ -384,7 +392,7 @@ class _Judging:
         identity with ``count_fn`` and ``reduction``; 0 if one breaks it (or none decides)."""
         decided = 0
         for index in order:
-            if not self.cuts(index, self.term[1]):
+            if not self.cuts(index, self.term.count_fn):
                 continue
             tolerance = self.tolerance(index)
             for key in self.cuts(index, count_fn):

@@ -168,11 +168,11 @@ class Lookahead(Mode):
                     f"the batch at position {entry.position} reuses the memory of a batch held before it",
                 )
             counts = []
-            for name, count_fn, _ in terms:
-                count, problem, detail = (0.0, None, "") if entry.filler else read_count(count_fn, entry.batch)
+            for term in terms:
+                count, problem, detail = (0.0, None, "") if entry.filler else read_count(term.count_fn, entry.batch)
                 if problem is not None:
                     window.flag(
-                        problem, f"the batch at position {entry.position} (read ahead, term {name!r}): {detail}"
+                        problem, f"the batch at position {entry.position} (read ahead, term {term.name!r}): {detail}"
                     )
                 counts.append(count)
             local.append(tuple(counts))
@@ -303,7 +303,7 @@ class _TermsWindow(_LookaheadWindow):
         terms = self._lookahead.settings.terms
         counts = (0.0,) * len(terms) if micro.filler else self._read[micro.position - self.start]
         given = output.terms or {}
-        losses = [value if isinstance(value := given.get(name), Tensor) else None for name, _, _ in terms]
+        losses = [value if isinstance(value := given.get(term.name), Tensor) else None for term in terms]
         if not micro.filler:
             self._check_terms(output, losses, counts, batch)
         kept = [loss for loss, count in zip(losses, counts, strict=True) if loss is not None and count > 0]
@@ -314,14 +314,14 @@ class _TermsWindow(_LookaheadWindow):
             self._next_local, host = self._lookahead.count_following(self._following, self)
             self.close(host)
         scaled = None
-        for loss, count, (_, _, reduction), share in zip(losses, counts, terms, self._shares, strict=True):
+        for loss, count, term, share in zip(losses, counts, terms, self._shares, strict=True):
             if loss is None:
                 continue
             if count > 0:
-                term = loss * ((count if reduction == "mean" else 1.0) * share)
+                part = loss * ((count if term.reduction == "mean" else 1.0) * share)
             else:  # an empty term's mean is 0/0 = NaN; its backward must still run for the reduction
-                term = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
-            scaled = term if scaled is None else scaled + term
+                part = torch.nan_to_num(loss, nan=0.0, posinf=0.0, neginf=0.0) * 0.0
+            scaled = part if scaled is None else scaled + part
         return scaled if scaled is not None else output.backprop * 0.0
 
     def _check_terms(
@@ -329,7 +329,7 @@ class _TermsWindow(_LookaheadWindow):
     ) -> None:
         """The step returned exactly the terms, and counted as read (or as received, and the two agree)."""
         terms = self._lookahead.settings.terms
-        names = [name for name, _, _ in terms]
+        names = [term.name for term in terms]
         given = output.terms or {}
         extra = [
             key
@@ -344,22 +344,23 @@ class _TermsWindow(_LookaheadWindow):
             )
         reported = output.num_items if isinstance(output.num_items, Mapping) else {}
         unchanged = self._unchanged(batch)
-        for (name, count_fn, _), count in zip(terms, counts, strict=True):
+        for term, count in zip(terms, counts, strict=True):
+            name = term.name
             if name in reported and (value := self.on_device(reported[name], f"'num_items[{name!r}]'")) is not None:
                 self.check_equal(Problem.NUM_ITEMS_MISMATCH_COUNT_FN, value, count)
             if not unchanged:  # moved to the device or changed by a hook: counted again as received
-                received = count_received(self, batch, None, count_fn, True, False)
+                received = count_received(self, batch, None, term.count_fn, True, False)
                 self.check_equal(Problem.COUNT_CHANGED, count, received)
 
     def _sums(self, host: dict[Slot, float], device: list[tuple[Slot | tuple[int, ...], Tensor]]) -> float:
         local = _fsum(float(count) for count in self.counts)
         host[Slot.COUNT] = local
         sums = []
-        for t, (_, _, reduction) in enumerate(self._lookahead.settings.terms):
+        for t, term in enumerate(self._lookahead.settings.terms):
             counts = [term_counts[t] for term_counts in self._term_counts]
             host[self.channel.term_slot(t, TERM_COUNT)] = _fsum(counts)  # type: ignore[index]
             kept = [
-                (loss, count if reduction == "mean" else 1.0)
+                (loss, count if term.reduction == "mean" else 1.0)
                 for losses, count in zip(self._term_losses, counts, strict=True)
                 if count > 0 and (loss := losses[t]) is not None
             ]
@@ -378,12 +379,14 @@ class _TermsWindow(_LookaheadWindow):
             reduced, stop, self._next_local, self, lambda: self.where_next(stop)
         )
         terms = {}
-        for t, (name, _, _) in enumerate(self._lookahead.settings.terms):
+        for t, term in enumerate(self._lookahead.settings.terms):
             global_count = self._n[t]
             loss = None if global_count == 0 else reduced.term(t, TERM_LOSS_SUM) / global_count
             local_count = _fsum(term_counts[t] for term_counts in self._term_counts)
             ranks = reduced.rank_counts(t)
-            terms[name] = WindowStats(global_count, local_count, ranks, self.length, loss, global_count == 0, self.mode)
+            terms[term.name] = WindowStats(
+                global_count, local_count, ranks, self.length, loss, global_count == 0, self.mode
+            )
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
         stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)

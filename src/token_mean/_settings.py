@@ -7,13 +7,21 @@ import inspect
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, Literal, NamedTuple
 
 LossReduction = Literal["mean", "sum"]
 Mode = Literal["lookahead", "deferred"]
 CountFn = Callable[[Any], Any]  # -> int | float | one-element Tensor; `Any` so YAML can name an unannotated function
-Term = tuple[str, CountFn, LossReduction]
-"""One term of an objective of several: its name (the key of its loss and its count), its count, its reduction."""
+
+
+class Term(NamedTuple):
+    """One term of an objective of several."""
+
+    name: str  # the key of its loss in the step's output, and of its count
+    count_fn: CountFn
+    reduction: LossReduction
+
+
 RESERVED = ("loss", "aux_loss", "num_items")  # keys of a step's output with a meaning of their own
 
 MODES: tuple[Mode, ...] = ("lookahead", "deferred")
@@ -86,7 +94,9 @@ def checked_terms(count_fn: Mapping[Any, Any], loss_reduction: Any, mode: Any) -
             " so it cannot give each term its own N. Use `mode='lookahead'` (the default)."
         )
     return tuple(
-        (name, checked_count_fn(count_fn[name]) or _missing(name), checked_loss_reduction(reductions[name]) or "mean")
+        Term(
+            name, checked_count_fn(count_fn[name]) or _missing(name), checked_loss_reduction(reductions[name]) or "mean"
+        )
         for name in names
     )
 
@@ -100,7 +110,7 @@ def _missing(name: str) -> CountFn:
 
 def _total(terms: tuple[Term, ...]) -> CountFn:
     """One count for the whole objective: what its terms count together (where one figure is needed)."""
-    counts = [count for _, count, _ in terms]
+    counts = [term.count_fn for term in terms]
     return lambda batch: sum(count(batch) for count in counts)
 
 

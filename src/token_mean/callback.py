@@ -23,6 +23,7 @@ from token_mean._fingerprint import grad_norm
 from token_mean._layout import World, shared_world
 from token_mean._measure import MeasuredWindow
 from token_mean._monitor import Monitoring, audited, replayed
+from token_mean._settings import LossReduction
 from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
 
@@ -56,7 +57,7 @@ class DenominatorMonitor(Monitoring, Callback):
     """
 
     _count_fn: Any = None  # what the monitor measures and audits with, from `setup` (None: not fitting)
-    _reduction = "mean"
+    _reduction: LossReduction = "mean"
     _strategy: TokenMeanStrategy | None = None  # the token-mean strategy whose windows are logged, from `setup`
     _world: World | None = None  # the measurement's ranks, under any other strategy, from `on_train_start`
     _measured: MeasuredWindow | None = None  # the window being measured
@@ -80,11 +81,11 @@ class DenominatorMonitor(Monitoring, Callback):
                     "`DenominatorMonitor(count_fn=...)` is ignored: the monitor logs the counts of"
                     f" `{type(strategy).__name__}`, which uses its own `count_fn`. Pass `count_fn` to the strategy."
                 )
-            self._count_fn, self._reduction = self._strategy.count_fn, self._strategy.loss_reduction
+            self._count_fn, reduction = self._strategy.count_fn, self._strategy.loss_reduction
         else:
-            self._count_fn, self._reduction = self.count_fn or count_valid_labels, "mean"
-        self._reduction = self.loss_reduction or self._reduction
-        self._read_reference(tuple(name for name, _, _ in self._strategy.settings.terms) if self._strategy else ())
+            self._count_fn, reduction = self.count_fn or count_valid_labels, "mean"
+        self._reduction = self.loss_reduction or reduction
+        self._read_reference(tuple(term.name for term in self._strategy.settings.terms) if self._strategy else ())
         if self._auditor.enabled and not pl_module.automatic_optimization:
             raise ValueError(
                 "`DenominatorMonitor(audit_every=...)` needs automatic optimization: with `automatic_optimization ="

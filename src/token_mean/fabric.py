@@ -395,7 +395,7 @@ def _warn_another_k(saved: int | None, position: int, accumulate: int) -> None:
 
 def _step_output(loss: Any, aux_loss: Tensor | None, num_items: Any, terms: Sequence[Any], model: Any) -> StepOutput:
     """What ``accumulator.backward`` was given, taken apart (several terms: a mapping of their losses)."""
-    names = [name for name, _, _ in terms]
+    names = [term.name for term in terms]
     if names:  # a tensor where terms are expected is a mismatch the window raises on every rank
         given = {**loss, "num_items": num_items, "aux_loss": aux_loss} if isinstance(loss, Mapping) else {}
         return StepOutput.of(given, lambda: stand_in_loss(model), names)[0]

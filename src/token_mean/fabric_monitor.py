@@ -62,7 +62,7 @@ class FabricMonitor(Monitoring):
     def attach(self, model: Any, settings: Settings | None = None, world: World | None = None) -> None:
         """The model ``fabric.setup`` returned (else a ``ValueError``), with the accumulator's settings and ranks."""
         if settings is not None and settings.terms:  # the reference's and the trace's term columns
-            self._read_reference(tuple(name for name, _, _ in settings.terms))
+            self._read_reference(tuple(term.name for term in settings.terms))
         if not self._auditor.enabled:
             return
         modules, strategy = _lightning.fabric_modules(model), _lightning.fabric_strategy_of(model)

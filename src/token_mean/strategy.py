@@ -70,7 +70,7 @@ class TokenMeanStrategy(ParallelStrategy):
         self._track_rank_counts = False
         self._unwrap_hook: Callable[[], None] | None = None  # undoes the -1 refusal's wrapper (picklable: None)
         self._first_window: list[FirstWindowObserver] = []  # layers that follow the fit's first window
-        self._names = tuple(name for name, _, _ in self._settings.terms)  # an objective of several terms
+        self._names = tuple(term.name for term in self._settings.terms)  # an objective of several terms
 
     @property
     def count_fn(self) -> CountFn:
