@@ -137,7 +137,7 @@ class Epoch:
             )
         self.mode.check_resumed_accumulate(start, accumulate)
         stop = self.window_stop(start, accumulate)
-        counts = self._next_counts if self._next_counts is not None and self._next_counts[0] == stop else None
+        counts = self._next_counts if self._next_counts is not None and self._next_counts.stop == stop else None
         return self.mode.open(start, stop, accumulate, f"optimizer step {step} ({self.label}", counts, self.reader)
 
     def inside_window(self) -> str | None:
@@ -154,10 +154,11 @@ class Epoch:
         window = self._window
         if window is None or window.ended:
             raise RuntimeError("token_mean: internal error: a window was ended twice, or before it opened.")
-        stats, ranks_with_more, unsure, self._next_counts = window.end()
-        self.apply_window_end(window, ranks_with_more, unsure)
-        self.mode.count_skipped(stats)
-        return stats
+        ended = window.end()
+        self._next_counts = ended.next_counts
+        self.apply_window_end(window, ended.ranks_with_more, ended.unsure)
+        self.mode.count_skipped(ended.stats)
+        return ended.stats
 
     def apply_window_end(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
         """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch

@@ -228,7 +228,11 @@ class _LookaheadWindow(Window):
         self.set_counts(counts)
 
     def set_counts(self, counts: Counts) -> None:
-        _, self._read, self._n, self._real = counts  # this rank's counts read ahead; N; real micro-batches
+        self._read, self._n, self._real = (
+            counts.local,
+            counts.global_count,
+            counts.real,
+        )  # this rank's counts read ahead; N; real micro-batches
         # the reduction divides by P (a mean): an item's share of 1/N
         self._share = scale_of(self._lookahead.divisor, self._n)
 
@@ -291,7 +295,7 @@ class _TermsWindow(_LookaheadWindow):
     P·n_t/N_t (a sum-reduced term by P/N_t), and each term's count and loss sum in three slots of the record."""
 
     def set_counts(self, counts: Counts) -> None:
-        _, self._read, self._n, self._real = counts
+        self._read, self._n, self._real = counts.local, counts.global_count, counts.real
         self._shares = [scale_of(self._lookahead.divisor, count) for count in self._n]
         self._term_counts: list[tuple[float, ...]] = []
         self._term_losses: list[list[Tensor | None]] = []

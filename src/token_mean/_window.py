@@ -280,13 +280,12 @@ class Window:
         for check in self._checks:
             for problem, detail in check():
                 self.flag(problem, detail)
-        pass_slots, problems = self._pass_end
-        for problem, detail in problems:
+        for problem, detail in self._pass_end.problems:
             self.flag(problem, detail)
         length = float(self.length)
         sums = {
             **host,
-            **pass_slots,
+            **self._pass_end.slots,
             Slot.LENGTH: length,
             Slot.LENGTH_SQUARED: length * length,
             Slot.REAL: float(self.real),
@@ -479,7 +478,7 @@ def _stack(window: Window, values: Sequence[Tensor | float]) -> Tensor:
 
 
 def _sides(window: Window, pairs: list[Check]) -> tuple[Tensor, Tensor]:
-    return _stack(window, [left for left, _, _ in pairs]), _stack(window, [right for _, right, _ in pairs])
+    return _stack(window, [check.left for check in pairs]), _stack(window, [check.right for check in pairs])
 
 
 def _device_flags(window: Window) -> list[tuple[Problem, Tensor]]:
@@ -520,7 +519,7 @@ def _check_slots(window: Window) -> Device:
         slots += [
             (slot, (side * differ).sum()) for slot, side in zip(_CHECK_SLOTS[problem], (left, right), strict=True)
         ]
-        hints = [hint for _, _, hint in pairs]
+        hints = [check.hint for check in pairs]
         if any(hint is not None for hint in hints):
             zero = window.channel.zero()
             first = torch.stack([zero if h is None else h.to(zero.device, torch.float64) for h in hints])
