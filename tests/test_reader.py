@@ -536,17 +536,17 @@ def test_the_last_window_asks_a_fresh_loader_for_one_item_past_its_length(yielde
 
 def test_a_loader_that_refills_its_buffer_is_asked_only_after_the_last_backward() -> None:
     """Before the last backward a read would overwrite the batch in flight: the rank says it is unsure (the record's
-    UNSURE slot), and after the backward every rank asks in one more collective (``Epoch.after``)."""
+    END_UNREAD slot), and after the backward every rank asks in one more collective (``Epoch.apply_window_end``)."""
     loader = RefillingLoader(6)
     reader = Reader(loader)
     epoch = begin(reader, 4, own_length=4)
     for _ in range(4):
         epoch.next_item()
-    assert epoch.pass_end(4, peek=False) == ({Slot.UNSURE: 1.0}, [])
+    assert epoch.pass_end(4, peek=False) == ({Slot.END_UNREAD: 1.0}, [])
     assert loader.reads == 4, "a read would overwrite the batch in flight"
     window: Any = SimpleNamespace(stop=4, accumulate=2, where="the window")
     with pytest.raises(DenominatorError, match=r"the training loader yielded more batches than its `len\(\)`"):
-        epoch.apply_window_end(window, 0.0, unsure=True)
+        epoch.apply_window_end(window, 0.0, end_unread=True)
     assert loader.reads == 5
 
 
@@ -561,13 +561,13 @@ def test_a_loader_restarted_by_a_resume_is_asked_for_one_item_past_its_whole_len
     for _ in range(4):
         epoch.next_item()
     assert reader.resumed_without_state and reader.undrawn_start == 0
-    assert epoch.pass_end(7, peek=False) == ({Slot.UNSURE: 1.0}, []), "it is read after the last backward"
+    assert epoch.pass_end(7, peek=False) == ({Slot.END_UNREAD: 1.0}, []), "it is read after the last backward"
     window: Any = SimpleNamespace(stop=7, accumulate=2, where="the window")
     if more:
         with pytest.raises(DenominatorError, match="more than its `len\\(\\)` of 7"):
-            epoch.apply_window_end(window, 0.0, unsure=True)
+            epoch.apply_window_end(window, 0.0, end_unread=True)
     else:
-        epoch.apply_window_end(window, 0.0, unsure=True)
+        epoch.apply_window_end(window, 0.0, end_unread=True)
     assert loader.reads == yielded
     assert loader.reads > 4 + 1, "the control: one item past the pass says nothing here"
 

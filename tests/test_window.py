@@ -144,16 +144,16 @@ def test_a_vector_of_slots_adds_like_its_scalars_and_the_rank_block_copies_count
     rank_counts: bool,
 ) -> None:
     channel = Channel(world(3, 1), rank_counts=rank_counts)
-    count, loss, naive = (torch.tensor(v, dtype=torch.float64) for v in (5.0, 2.5, 0.75))
+    count, loss, aux = (torch.tensor(v, dtype=torch.float64) for v in (5.0, 2.5, 0.75))
     scalars = channel.record(Kind.WINDOW, **Values({Slot.LENGTH: 1.0}, [(Slot.COUNT, count), (Slot.LOSS_SUM, loss),
-                                                                      (Slot.NAIVE, naive)]))
+                                                                      (Slot.AUX_SUM, aux)]))
     slots = channel.count_slots
     vector = torch.stack([count] * len(slots) + [loss])
     mixed = channel.record(Kind.WINDOW, **Values({Slot.LENGTH: 1.0}, [((*slots, Slot.LOSS_SUM), vector),
-                                                                     (Slot.NAIVE, naive)]))
+                                                                     (Slot.AUX_SUM, aux)]))
 
     assert torch.equal(mixed, scalars)
-    assert mixed[Slot.COUNT] == 5.0 and mixed[Slot.LOSS_SUM] == 2.5 and mixed[Slot.NAIVE] == 0.75
+    assert mixed[Slot.COUNT] == 5.0 and mixed[Slot.LOSS_SUM] == 2.5 and mixed[Slot.AUX_SUM] == 0.75
     assert slots == ((Slot.COUNT, RECORD_SIZE + 1) if rank_counts else (Slot.COUNT,))
     assert mixed.shape == (RECORD_SIZE + (3 if rank_counts else 0),)
     if rank_counts:
@@ -348,7 +348,7 @@ def test_uneven_window_lengths_are_a_problem_of_window_records_only() -> None:
 
 def test_num_items_note_gives_the_shifted_labels_hint_only_when_the_difference_is_the_first_labels() -> None:
     def note(reported: float, counted: float, first: float) -> str:
-        values = Values({Slot.REPORTED: reported, Slot.COUNTED: counted, Slot.FIRST: first},
+        values = Values({Slot.REPORTED: reported, Slot.COUNTED: counted, Slot.FIRST_LABELS: first},
                         flags=frozenset({Problem.NUM_ITEMS_MISMATCH_DEFAULT}))
         (reduced,) = reduced_over([values])
         (only,) = reduced.lines()
@@ -419,14 +419,12 @@ def test_window_of_empty_micro_batches_has_no_count_and_no_loss() -> None:
     assert stats.skipped and stats.loss is None
 
 
-def test_window_carries_aux_sums_added_slots_and_what_the_mode_announces() -> None:
+def test_window_carries_aux_sums_and_what_the_mode_announces() -> None:
     win = window()
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.25))
     win.add(torch.tensor(1), scalar(1.0), filler=False, aux=scalar(0.5))
-    win.add_to(Slot.NAIVE, scalar(3.0))
     reduced, _ = read(win, {Slot.NEXT_COUNT: 7.0, Slot.MORE: 1.0})
     assert reduced[Slot.AUX_SUM] == 0.75
-    assert reduced[Slot.NAIVE] == 3.0
     assert (reduced[Slot.NEXT_COUNT], reduced[Slot.MORE]) == (7.0, 1.0)
 
 
@@ -513,7 +511,7 @@ def test_num_items_mismatch_sums_both_sides_and_the_first_labels_over_the_micro_
     with pytest.raises(DenominatorError, match=r"rank 0: the default count \(`batch\['labels'\] != -100`\)") as raised:
         win.read()
     (diagnosis,) = channel.gathered  # the diagnosis: which problem, and by how much
-    assert [diagnosis[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST)] == [10.0, 12.0, 2.0]
+    assert [diagnosis[slot].item() for slot in (Slot.REPORTED, Slot.COUNTED, Slot.FIRST_LABELS)] == [10.0, 12.0, 2.0]
     assert "'num_items' sums to 10, the count to 12; the count is higher by exactly the 2 valid labels" in str(
         raised.value
     )
@@ -527,7 +525,7 @@ def test_num_items_mismatch_with_count_fn_and_no_hint_leaves_first_empty() -> No
     win.close()
     with pytest.raises(DenominatorError, match=r"rank 0: `count_fn\(batch\)` and the 'num_items' reported") as raised:
         win.read()
-    assert channel.gathered[-1][Slot.FIRST] == 0.0
+    assert channel.gathered[-1][Slot.FIRST_LABELS] == 0.0
     assert "'num_items' sums to 3, the count to 4)" in str(raised.value)
 
 

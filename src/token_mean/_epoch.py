@@ -156,21 +156,21 @@ class Epoch:
             raise RuntimeError("token_mean: internal error: a window was ended twice, or before it opened.")
         ended = window.end()
         self._next_counts = ended.next_counts
-        self.apply_window_end(window, ended.ranks_with_more, ended.unsure)
+        self.apply_window_end(window, ended.ranks_with_more, ended.end_unread)
         self.mode.count_skipped(ended.stats)
         return ended.stats
 
-    def apply_window_end(self, window: Window, ranks_with_more: float, unsure: bool) -> None:
+    def apply_window_end(self, window: Window, ranks_with_more: float, end_unread: bool) -> None:
         """The window ending at ``window.stop`` was read (its problems raised): ``ranks_with_more`` hold a real batch
-        after it (a stream's); ``unsure``: some rank could not tell before the backward, so the ranks agree now."""
+        after it (a stream's); ``end_unread``: some rank could not tell before the backward, so the ranks agree now."""
         channel = self.mode.channel
         if self.sized:
-            if unsure:  # the pass's last window: whether a loader yields past its length, agreed after the backward
+            if end_unread:  # the pass's last window: whether a loader yields past its length, agreed after the backward
                 problems = self._past_end() if self._checks_length() else []
                 flags = frozenset(problem for problem, _ in problems)
                 channel.reduce(Kind.PAST_END, flags=flags).check(window.where, _detail(problems))
             return
-        if unsure:  # a loader not known to yield fresh memory on some rank: a second collective, after the backward
+        if end_unread:  # a loader not known to yield fresh memory on some rank: a second collective, after the backward
             more = self.reader.has_real_from(window.stop, in_flight=False)
             reduced = channel.reduce(Kind.STREAM_END, {Slot.MORE: float(more)})
             reduced.check(window.where)
@@ -191,12 +191,12 @@ class Epoch:
             if stop < self.length or not self._checks_length():
                 return PassEnd({}, [])
             if not reader.fresh or reader.resumed_without_state:  # a restarted loader is read past its first items
-                return PassEnd({Slot.UNSURE: 1.0}, [])
+                return PassEnd({Slot.END_UNREAD: 1.0}, [])
             return PassEnd({}, self._past_end())
         if not peek:
             return PassEnd({}, [])
         if not reader.fresh:
-            return PassEnd({Slot.UNSURE: 1.0}, [])
+            return PassEnd({Slot.END_UNREAD: 1.0}, [])
         problems = []
         if any(entry.aliased for entry in reader.entries(stop, stop + 1)):
             problems.append((Problem.ALIASED, f"the batch at position {stop} reuses the memory of the batch in flight"))

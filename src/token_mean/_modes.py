@@ -284,7 +284,7 @@ class _LookaheadWindow(Window):
         real = self._real
         aux = reduced[Slot.AUX_SUM] / real if self.aux and real else None
         stats = self.stats(reduced, local, self._n, aux)
-        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
+        return Ended(stats, reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, next_counts)
 
     def where_next(self, stop: int) -> str:
         return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
@@ -394,7 +394,7 @@ class _TermsWindow(_LookaheadWindow):
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
         stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
-        return Ended(stats, reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, next_counts)
+        return Ended(stats, reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, next_counts)
 
 
 def _fsum(values: Iterable[float]) -> float:
@@ -522,4 +522,4 @@ class _DeferredWindow(Window):
         global_count = reduced[Slot.COUNT]
         check_global_count(self, global_count, 1.0, lambda: self.where)
         self._deferred.next_provisional(global_count)
-        return Ended(self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.UNSURE] > 0, None)
+        return Ended(self.stats(reduced, local, global_count), reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, None)

@@ -41,16 +41,15 @@ class Slot(IntEnum):
     NEXT_REAL = 10  # lookahead: the next window's real micro-batches
     REPORTED = 11  # Σ 'num_items' over the micro-batches whose 'num_items' and count disagree
     COUNTED = 12  # Σ of the count over the same micro-batches
-    FIRST = 13  # Σ of the valid labels in the first position of a row over them (a shifted-labels hint)
+    FIRST_LABELS = 13  # Σ of the valid labels in the first position of a row over them (a shifted-labels hint)
     READ = 14  # lookahead: Σ of the count read ahead over micro-batches whose batch changed before training_step
     RECEIVED = 15  # lookahead: Σ of the count of the batch training_step received, over the same micro-batches
-    NAIVE = 16  # DenominatorMonitor under plain DDP: Σ of Lightning's loss / K, what plain DDP differentiated
-    EPOCH_LENGTH = 17  # the agreement on an epoch's length: this rank's batches (or -batches under MAX)
-    EPOCH_LENGTH_SQUARED = 18  # ... its square (or, under MAX, its batches)
-    UNSIZED = 19  # 1: this rank's training loader has no length
-    UNSURE = 20  # 1: a rank could not look past the window before its last backward (refilled buffer, restart)
-    BAD_COUNTS = 21  # micro-batches whose count on the device is negative or not finite (a diagnosis says whose)
-    DIFFERENT = 22  # checked pairs whose two sides differ ('num_items' and the count, read ahead and received)
+    EPOCH_LENGTH = 16  # the agreement on an epoch's length: this rank's batches (or -batches under MAX)
+    EPOCH_LENGTH_SQUARED = 17  # ... its square (or, under MAX, its batches)
+    UNSIZED = 18  # 1: this rank's training loader has no length
+    END_UNREAD = 19  # 1: a rank could not look past the window before its last backward (refilled buffer, restart)
+    BAD_COUNTS = 20  # micro-batches whose count on the device is negative or not finite (a diagnosis says whose)
+    DIFFERENT = 21  # checked pairs whose two sides differ ('num_items' and the count, read ahead and received)
 
 
 class Kind(Enum):
@@ -359,7 +358,7 @@ class Reduced:
 
     def num_items_note(self) -> str:
         """The numbers behind a 'num_items' mismatch, and the likeliest cause when they say it."""
-        reported, counted, first = self[Slot.REPORTED], self[Slot.COUNTED], self[Slot.FIRST]
+        reported, counted, first = self[Slot.REPORTED], self[Slot.COUNTED], self[Slot.FIRST_LABELS]
         note = f" (over the micro-batches that disagree: 'num_items' sums to {reported:g}, the count to {counted:g}"
         if first > 0 and counted - reported == first:
             note += (

@@ -145,7 +145,7 @@ class Ended(NamedTuple):
 
     stats: WindowStats
     ranks_with_more: float  # ranks holding a real batch after it (a stream's end is agreed from it)
-    unsure: bool  # some rank could not look past it before the last backward (the pass then agrees after it)
+    end_unread: bool  # some rank could not look past it before the last backward (the pass then agrees after it)
     next_counts: Any  # lookahead: the next window's counts, which came with this window's record
 
 
@@ -188,7 +188,6 @@ class Window:
         self.losses: list[Tensor | None] = []  # detached, as the forwards returned them
         self.aux: list[Tensor] = []
         self.pairs: dict[Problem, list[Check]] = {}
-        self._added: list[tuple[Slot, Tensor]] = []
         self._flags: set[Problem] = set()
         self.detail = ""  # what this rank saw of its first host-side problem (a note of the error)
         self.real = 0  # micro-batches that are not fillers
@@ -254,12 +253,8 @@ class Window:
     def check_equal(
         self, problem: Problem, left: Tensor | float, right: Tensor | float, hint: Tensor | None = None
     ) -> None:
-        """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST slot."""
+        """``problem`` unless ``left == right`` (decided on the device, at close); ``hint``: the FIRST_LABELS slot."""
         self.pairs.setdefault(problem, []).append(Check(left, right, hint))
-
-    def add_to(self, slot: Slot, value: Tensor) -> None:
-        """Add a device value to ``slot`` of the record (``NAIVE``)."""
-        self._added.append((slot, value))
 
     def on_device(self, value: Any, source: str) -> Tensor | None:
         count, detail = device_count(value, source, self.channel.world.device)
@@ -290,7 +285,7 @@ class Window:
             Slot.LENGTH_SQUARED: length * length,
             Slot.REAL: float(self.real),
         }
-        device: list[tuple[Slot | tuple[int, ...], Tensor]] = list(self._added)
+        device: list[tuple[Slot | tuple[int, ...], Tensor]] = []
         flags: frozenset[Problem] = frozenset(self._flags)
         device_flags: Flags = ()
         self._local = self._sums(sums, device)
@@ -523,7 +518,7 @@ def _check_slots(window: Window) -> Device:
         if any(hint is not None for hint in hints):
             zero = window.channel.zero()
             first = torch.stack([zero if h is None else h.to(zero.device, torch.float64) for h in hints])
-            slots.append((Slot.FIRST, (first * differ).sum()))
+            slots.append((Slot.FIRST_LABELS, (first * differ).sum()))
     return slots
 
 
