@@ -23,14 +23,16 @@ too; their warnings reach ``warnings.showwarning`` in the thread that issued the
 
 ``rehearse=True`` (no CUDA): nothing synchronizes on the CPU, so a dispatch mode warns the same message where a CUDA
 tensor would synchronize: ``aten._local_scalar_dense`` (``item()``, ``float()``, ``int()``, ``bool()``),
-``aten.nonzero`` and ``Tensor.tolist``. The bookkeeping then runs on the CPU as it would on a GPU; reads of tensors
-that stay on the host on a GPU (a CPU batch) are counted too, and reads that dispatch nothing (numpy) are not.
+``aten.nonzero`` and ``Tensor.tolist``. The bookkeeping then runs on the CPU as it would on a GPU. Reads of tensors
+that stay on the host on a GPU are counted too, except lookahead's counts of the batches the loader yielded, read
+ahead (``token_mean._counts.read_count``: a loader's batch is moved to the device only as the loop takes it).
 """
 
 from __future__ import annotations
 
 import collections
 import os
+import sys
 import traceback
 import warnings
 from collections.abc import Callable
@@ -44,6 +46,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import token_mean
 import token_mean._audit
+import token_mean._counts
 from token_mean import _lightning
 
 SYNC = "called a synchronizing CUDA operation"
@@ -68,11 +71,24 @@ def origin_of(stack: list[traceback.FrameSummary]) -> tuple[str, str]:
     return "other", "?"
 
 
+_HOST_COUNT = token_mean._counts.read_count.__code__  # counts a batch as the loader yielded it: on the host on a GPU
+
+
+def _counts_a_host_batch() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is _HOST_COUNT:
+            return True
+        frame = frame.f_back  # type: ignore[assignment]
+    return False
+
+
 class _Rehearsal(TorchDispatchMode):
     """On the CPU: warn as CUDA's sync debug mode would where the tensor were on a GPU."""
 
     def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
-        if func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero):
+        read = func.overloadpacket in (torch.ops.aten._local_scalar_dense, torch.ops.aten.nonzero)
+        if read and not _counts_a_host_batch():
             warnings.warn(f"{SYNC} (rehearsed on the CPU: {func.overloadpacket.__name__})", stacklevel=2)
         return func(*args, **(kwargs or {}))
 
