@@ -391,8 +391,12 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
         >>> strategy = TokenMeanDDPStrategy(start_method="fork", process_group_backend="gloo")
         >>> trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=strategy, accumulate_grad_batches=4,
         ...                      logger=False, enable_checkpointing=False)
-        >>> trainer = pl.Trainer(strategy="ddp_token_mean_fork", accelerator="cpu", devices=2, logger=False,
+        >>> trainer.strategy is strategy, strategy.mode, strategy.loss_reduction, trainer.accumulate_grad_batches
+        (True, 'lookahead', 'mean', 4)
+        >>> by_name = pl.Trainer(strategy="ddp_token_mean_fork", accelerator="cpu", devices=2, logger=False,
         ...                      enable_checkpointing=False)
+        >>> type(by_name.strategy).__name__, by_name.strategy.count_fn.__name__
+        ('TokenMeanDDPStrategy', 'count_valid_labels')
     """
 
     strategy_name = "ddp_token_mean"
