@@ -134,33 +134,11 @@ class Lookahead(Mode):
         return window
 
     def count_following(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
-        """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``; with
-        several terms, each term's count of each batch (:meth:`_count_following_terms`)."""
-        if self.settings.terms:
-            return self._count_following_terms(entries, window)
-        local, real = [], 0.0
-        for entry in entries:
-            real += not entry.filler
-            if entry.aliased:
-                window.flag(
-                    Problem.ALIASED,
-                    f"the batch at position {entry.position} reuses the memory of a batch held before it",
-                )
-            count, problem, detail = (
-                (0.0, None, "") if entry.filler else read_count(self.settings.count_fn, entry.batch)
-            )
-            if problem is not None:
-                window.flag(problem, f"the batch at position {entry.position} (read ahead): {detail}")
-            local.append(count)
-        total = sum(local)
-        if not math.isfinite(total):  # finite counts whose sum overflows float64
-            window.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
-            total = 0.0
-        return local, {Slot.NEXT_COUNT: total, Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
-
-    def _count_following_terms(self, entries: Sequence[Entry], window: Window) -> tuple[list[Any], dict[Slot, float]]:
+        """Count ``entries`` as the loader yielded them (on the host), flagging their problems in ``window``: each
+        batch's count (with several terms, a tuple of each term's) and the host slots of their sums."""
         terms = self.settings.terms
-        local: list[tuple[float, ...]] = []
+        counting = [(term.count_fn, f", term {term.name!r}") for term in terms] or [(self.settings.count_fn, "")]
+        local: list[Any] = []
         for entry in entries:
             if entry.aliased:
                 window.flag(
@@ -168,22 +146,20 @@ class Lookahead(Mode):
                     f"the batch at position {entry.position} reuses the memory of a batch held before it",
                 )
             counts = []
-            for term in terms:
-                count, problem, detail = (0.0, None, "") if entry.filler else read_count(term.count_fn, entry.batch)
+            for count_fn, term in counting:
+                count, problem, detail = (0.0, None, "") if entry.filler else read_count(count_fn, entry.batch)
                 if problem is not None:
-                    window.flag(
-                        problem, f"the batch at position {entry.position} (read ahead, term {term.name!r}): {detail}"
-                    )
+                    window.flag(problem, f"the batch at position {entry.position} (read ahead{term}): {detail}")
                 counts.append(count)
-            local.append(tuple(counts))
+            local.append(tuple(counts) if terms else counts[0])
         real = float(sum(not entry.filler for entry in entries))
         host: dict[Slot, float] = {Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
-        for t in range(len(terms)):
-            total = _fsum(counts[t] for counts in local)
+        for t in range(len(counting)):
+            total = _fsum(counts[t] for counts in local) if terms else _fsum(local)
             if not math.isfinite(total):  # finite counts whose sum overflows float64
                 window.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
                 total = 0.0
-            host[self.channel.term_slot(t, TERM_NEXT_COUNT)] = total  # type: ignore[index]
+            host[self.channel.term_slot(t, TERM_NEXT_COUNT) if terms else Slot.NEXT_COUNT] = total  # type: ignore[index]
         return local, host
 
     def agreed_counts(
@@ -502,10 +478,9 @@ class _DeferredWindow(Window):
         # An empty micro-batch's mean is 0/0 = NaN and its scale 0. The backward of `loss * scale` multiplies the
         # incoming gradient by the scale and never reads the loss, so its gradient is exactly zero without a guard
         # (the forward value stays NaN, as under plain DDP).
-        if isinstance(count, Tensor):
-            items: Tensor | float = count if self.mean else (count > 0).to(count.dtype)
-        else:
-            items = count if self.mean else float(count > 0)
+        if not isinstance(count, Tensor):  # a filler
+            return output.backprop * 0.0
+        items = count if self.mean else (count > 0).to(count.dtype)
         return output.backprop * (items / self._provisional)
 
     def gradient_factor(self) -> Tensor:
