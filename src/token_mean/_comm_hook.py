@@ -28,6 +28,7 @@ def scaled_allreduce_hook(
         assert work is not None
     else:
         buffer.mul_(factor)
-        work = _torch.start_all_reduce(group, buffer)
+        work = dist.all_reduce(buffer, group=group, async_op=True)
+        assert work is not None
     future: torch.futures.Future[torch.Tensor] = work.get_future().then(lambda done: done.value()[0])
     return future

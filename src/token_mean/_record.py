@@ -258,7 +258,7 @@ class Exchange:
         self.terms = terms
         self.sequence = sequence  # its number on the channel
         self._gather = gather
-        self._work = _torch.start_all_reduce(world.group, record, op) if world.distributed else None
+        self._work = dist.all_reduce(record, op=op, group=world.group, async_op=True) if world.distributed else None
 
     def wait(self) -> Tensor:
         if self._work is not None:

@@ -129,20 +129,6 @@ def norms(tensors: list[Tensor], dtype: torch.dtype | None) -> tuple[Tensor, ...
     return tuple(torch._foreach_norm(tensors, 2) if dtype is None else torch._foreach_norm(tensors, 2, dtype=dtype))
 
 
-def start_all_reduce(group: Any, tensor: Tensor, op: Any = None) -> Any:
-    """Start an all-reduce (SUM unless ``op``) over ``group`` (None: default), skipping ``dist.all_reduce``'s checks
-    (tens of µs, per window and per bucket); return its work.
-
-    Relies on: ``ProcessGroup.allreduce(list[Tensor], AllreduceOptions)``, what ``dist.all_reduce`` calls after its
-    checks (``asyncOp`` True by default); ``dist.group.WORLD`` is the default group.
-    """
-    options = dist.AllreduceOptions()
-    if op is not None:
-        options.reduceOp = op
-    target: Any = dist.group.WORLD if group is None else group  # WORLD is typed Optional: set once initialized
-    return target.allreduce([tensor], options)
-
-
 def premul_sum(factor: Tensor) -> Any:
     """NCCL's ``PREMUL_SUM`` op: the all-reduce multiplies by ``factor`` (a device tensor) as it sums.
 
