@@ -9,6 +9,7 @@ they would get wrong.
 
 from __future__ import annotations
 
+import json
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -265,3 +266,60 @@ def test_every_rank_ending_its_epoch_at_one_batch_is_refused_on_every_rank(tmp_p
     errors = raises_everywhere(tmp_path / "outcomes", run)
     for rank, message in enumerate(errors):
         assert message.startswith(f"DenominatorError: token_mean: {LEFT_EARLY.format(at=3, rank=rank)}"), message
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# `on_before_backward` sees the tensor the backward runs, not Lightning's loss / K
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def returns_and_records(module: TokenModule, batch: Batch, loss: torch.Tensor) -> torch.Tensor:
+    """`training_step`'s output: its loss, noted with the batch's count (a host read: fine in this test)."""
+    module.__dict__.setdefault("returned", []).append((loss.item(), int((batch["labels"] != -100).sum())))
+    return loss
+
+
+class BackwardLosses(Callback):
+    """Every rank writes, per micro-batch, the loss `training_step` returned and its count, and the loss Lightning's
+    `on_before_backward` hook received (forked workers cannot return objects)."""
+
+    def __init__(self, out: Path) -> None:
+        self.out = out
+        self.seen: list[float] = []
+
+    def on_before_backward(self, trainer: pl.Trainer, module: pl.LightningModule, loss: torch.Tensor) -> None:
+        self.seen.append(loss.item())
+
+    def on_train_end(self, trainer: pl.Trainer, module: pl.LightningModule) -> None:
+        record = {"returned": module.__dict__["returned"], "seen": self.seen}
+        (self.out / f"backward{trainer.global_rank}.json").write_text(json.dumps(record))
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", ["lookahead", "deferred", "plain"])
+def test_on_before_backward_sees_the_loss_that_is_back_propagated(tmp_path: Path, mode: str) -> None:
+    """A hook that reads the loss (gradient-scale checks, loss logging) gets what the backward runs: lookahead's loss
+    times P·n/N (the window's N), deferred's loss times n/D (one D for a window), plain DDP's loss / K."""
+    accumulate, data = 3, nonempty_data(6, seed=176)
+    kwargs = {} if mode == "plain" else {"check_count": False}  # the count check's replays would add calls
+    fit(TokenModule(data, output_fn=returns_and_records), strategy_for(mode, **kwargs), tmp_path,
+        accumulate_grad_batches=accumulate, callbacks=[BackwardLosses(tmp_path)])
+    ranks = [json.loads((tmp_path / f"backward{rank}.json").read_text()) for rank in (0, 1)]
+    for rank in ranks:
+        assert len(rank["seen"]) == len(rank["returned"]) == len(data[0])
+    for start in range(0, len(data[0]), accumulate):
+        window = range(start, start + accumulate)
+        total = sum(rank["returned"][i][1] for rank in ranks for i in window)
+        for rank in ranks:
+            returned = [rank["returned"][i] for i in window]
+            seen = [rank["seen"][i] for i in window]
+            if mode == "lookahead":
+                expected = [loss * 2 * count / total for loss, count in returned]
+            elif mode == "deferred":  # D, unknown here, is the same for every micro-batch of the window
+                ratio = seen[0] / (returned[0][0] * returned[0][1])
+                expected = [loss * count * ratio for loss, count in returned]
+            else:
+                expected = [loss / accumulate for loss, _ in returned]
+            assert seen == pytest.approx(expected, rel=1e-12), (mode, start)
+            if mode != "plain":  # not Lightning's loss / K
+                assert seen != pytest.approx([loss / accumulate for loss, _ in returned], rel=1e-6), (mode, start)
