@@ -38,7 +38,8 @@ compat:
 	.ci/compat
 
 # Every test file that starts processes, 20 consecutive runs each (a test that fails one run in twenty is a defect):
-# about three hours on 2 cores. `tests/stress.py --help` for fewer runs, some files, or only the fast lane.
+# about three hours on 2 cores. `tests/stress.py --help` for fewer runs, some files, or without the real launches
+# (`--fast`: leaves out `slow`).
 stress: $(STAMP)
 	$(PY) tests/stress.py --runs 20
 
