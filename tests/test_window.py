@@ -464,18 +464,13 @@ def test_nan_count_is_a_problem_unless_counts_are_not_judged() -> None:
 
 
 @pytest.mark.parametrize("bad", [NAN, math.inf])
-def test_nonfinite_loss_of_a_micro_batch_with_items_is_a_problem_unless_losses_are_not_judged(bad: float) -> None:
-    def closed(**judges: bool) -> Window:
-        win = window(**judges)
-        win.add(torch.tensor(2), scalar(bad), filler=False)
-        win.add(torch.tensor(3), scalar(1.0), filler=False)
-        win.close()
-        return win
-
+def test_nonfinite_loss_of_a_micro_batch_with_items_is_a_problem(bad: float) -> None:
+    win = window()
+    win.add(torch.tensor(2), scalar(bad), filler=False)
+    win.add(torch.tensor(3), scalar(1.0), filler=False)
+    win.close()
     with pytest.raises(DenominatorError, match=r"rank 0: the loss of a micro-batch that the count says holds valid"):
-        closed().read()
-    reduced, _ = closed(judge_losses=False).read()
-    assert (reduced[Slot.COUNT], reduced[Slot.LOSS_SUM]) == (5.0, 3.0)
+        win.read()
 
 
 def test_finite_loss_times_a_huge_count_overflowing_is_the_counts_problem() -> None:

@@ -138,29 +138,29 @@ class Lookahead(Mode):
         batch's count (with several terms, a tuple of each term's) and the host slots of their sums."""
         terms = self.settings.terms
         counting = [(term.count_fn, f", term {term.name!r}") for term in terms] or [(self.settings.count_fn, "")]
-        local: list[Any] = []
+        rows: list[list[float]] = []  # each entry's count of each term
         for entry in entries:
             if entry.aliased:
                 window.flag(
                     Problem.ALIASED,
                     f"the batch at position {entry.position} reuses the memory of a batch held before it",
                 )
-            counts = []
-            for count_fn, term in counting:
+            row = []
+            for count_fn, which in counting:
                 count, problem, detail = (0.0, None, "") if entry.filler else read_count(count_fn, entry.batch)
                 if problem is not None:
-                    window.flag(problem, f"the batch at position {entry.position} (read ahead{term}): {detail}")
-                counts.append(count)
-            local.append(tuple(counts) if terms else counts[0])
+                    window.flag(problem, f"the batch at position {entry.position} (read ahead{which}): {detail}")
+                row.append(count)
+            rows.append(row)
         real = float(sum(not entry.filler for entry in entries))
         host: dict[Slot, float] = {Slot.NEXT_REAL: real, Slot.MORE: float(real > 0)}
         for t in range(len(counting)):
-            total = _fsum(counts[t] for counts in local) if terms else _fsum(local)
+            total = _fsum(row[t] for row in rows)
             if not math.isfinite(total):  # finite counts whose sum overflows float64
                 window.flag(Problem.COUNT_RANGE, f"this rank's counts of the window sum to {total}")
                 total = 0.0
             host[self.channel.term_slot(t, TERM_NEXT_COUNT) if terms else Slot.NEXT_COUNT] = total  # type: ignore[index]
-        return local, host
+        return [tuple(row) if terms else row[0] for row in rows], host
 
     def agreed_counts(
         self, reduced: Reduced, stop: int, local: list[Any], window: Window, where: Callable[[], str]
@@ -204,13 +204,9 @@ class _LookaheadWindow(Window):
         self.set_counts(counts)
 
     def set_counts(self, counts: Counts) -> None:
-        self._read, self._n, self._real = (
-            counts.local,
-            counts.global_count,
-            counts.real,
-        )  # this rank's counts read ahead; N; real micro-batches
-        # the reduction divides by P (a mean): an item's share of 1/N
-        self._share = scale_of(self._lookahead.divisor, self._n)
+        self._read = counts.local  # this rank's counts, read ahead
+        self._n, self._real = counts.global_count, counts.real
+        self._share = scale_of(self._lookahead.divisor, self._n)  # the reduction divides by P: an item's share of 1/N
 
     def _count_of(self, entry: Entry) -> float:
         return 0.0 if entry.filler else self._read[entry.position - self.start]
@@ -257,10 +253,11 @@ class _LookaheadWindow(Window):
         next_counts = self._lookahead.agreed_counts(
             reduced, stop, self._next_local, self, lambda: self.where_next(stop)
         )
+        return Ended(self._stats(reduced, local), reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, next_counts)
+
+    def _stats(self, reduced: Reduced, local: float) -> WindowStats:
         real = self._real
-        aux = reduced[Slot.AUX_SUM] / real if self.aux and real else None
-        stats = self.stats(reduced, local, self._n, aux)
-        return Ended(stats, reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, next_counts)
+        return self.stats(reduced, local, self._n, reduced[Slot.AUX_SUM] / real if self.aux and real else None)
 
     def where_next(self, stop: int) -> str:
         return f"the accumulation window after that of {self.step}, batches {self.stop}..{stop - 1})"
@@ -352,12 +349,7 @@ class _TermsWindow(_LookaheadWindow):
             device.append((Slot.LOSS_SUM, torch.stack(sums).sum()))
         return local
 
-    def end(self) -> Ended:
-        reduced, local = self.read()
-        stop = self.stop + len(self._next_local)
-        next_counts = self._lookahead.agreed_counts(
-            reduced, stop, self._next_local, self, lambda: self.where_next(stop)
-        )
+    def _stats(self, reduced: Reduced, local: float) -> WindowStats:
         terms = {}
         for t, term in enumerate(self._lookahead.settings.terms):
             global_count = self._n[t]
@@ -369,8 +361,7 @@ class _TermsWindow(_LookaheadWindow):
             )
         total = _fsum(self._n)
         objective = _fsum(term.loss for term in terms.values() if term.loss is not None)
-        stats = replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
-        return Ended(stats, reduced[Slot.MORE], reduced[Slot.END_UNREAD] > 0, next_counts)
+        return replace(self.stats(reduced, local, total), loss=None if total == 0 else objective, terms=terms)
 
 
 def _fsum(values: Iterable[float]) -> float:

@@ -160,7 +160,6 @@ class Window:
         loss_reduction: ``"mean"`` (each loss is a mean over its micro-batch's count) or ``"sum"``.
         checks: host-side checks run as it closes (the layout's).
         judge_counts: flag negative and non-finite counts (False where they were judged as they were read).
-        judge_losses: flag non-finite losses of micro-batches with items (False where the window only measures).
     """
 
     mode = "none"
@@ -175,12 +174,11 @@ class Window:
         loss_reduction: str,
         checks: Sequence[WindowCheck] = (),
         judge_counts: bool = True,
-        judge_losses: bool = True,
     ) -> None:
         self.channel = channel
         self.start, self.stop, self.accumulate, self.step = start, stop, accumulate, step
         self.mean = loss_reduction == "mean"
-        self.judge_counts, self.judge_losses = judge_counts, judge_losses
+        self.judge_counts = judge_counts
         self.ended = False
         self._checks = checks
         self._next = start  # the position of the next micro-batch
@@ -321,7 +319,7 @@ class Window:
             local = reduced.local[0]
         else:
             reduced = exchange.read()
-        if not (_healthy(self, reduced) and reduced.clean()):  # the common case, told from a few slots
+        if not (_healthy(reduced) and reduced.clean()):  # the common case, told from a few slots
             _raise_problems(self, reduced)
         self.ended = True
         return reduced, float(local)
@@ -437,8 +435,6 @@ def _device_sums(window: Window, device: list[tuple[Slot | tuple[int, ...], Tens
     valid = _valid(counts)
     has_items = valid > 0
     terms = torch.where(has_items, losses, zero) * (valid if window.mean else has_items)
-    if not window.judge_losses:  # an observer: a non-finite loss is the strategy's to judge, and adds nothing
-        terms = torch.nan_to_num(terms, nan=0.0, posinf=0.0, neginf=0.0)
     count_slots = window.channel.count_slots
     rows, slots = [valid] * len(count_slots) + [terms], (*count_slots, Slot.LOSS_SUM)
     if window.judge_counts:  # NaN != NaN
@@ -448,12 +444,11 @@ def _device_sums(window: Window, device: list[tuple[Slot | tuple[int, ...], Tens
     return sums
 
 
-def _healthy(window: Window, reduced: Reduced) -> bool:
+def _healthy(reduced: Reduced) -> bool:
     """Whether the summed record shows no problem of the device values: then no rank had one."""
     values = reduced.values
-    counted = math.isfinite(values[Slot.COUNT]) and values[Slot.BAD_COUNTS] == 0
-    losses = not window.judge_losses or math.isfinite(values[Slot.LOSS_SUM])
-    return counted and losses and math.isfinite(values[Slot.AUX_SUM]) and values[Slot.DIFFERENT] == 0
+    sums = all(math.isfinite(values[slot]) for slot in (Slot.COUNT, Slot.LOSS_SUM, Slot.AUX_SUM))
+    return sums and values[Slot.BAD_COUNTS] == 0 and values[Slot.DIFFERENT] == 0
 
 
 def _stack(window: Window, values: Sequence[Tensor | float]) -> Tensor:
@@ -486,16 +481,15 @@ def _device_flags(window: Window) -> list[tuple[Problem, Tensor]]:
             (Problem.COUNT_NEGATIVE, (counts < 0).any()),
             (Problem.COUNT_NONFINITE, (~torch.isfinite(counts)).any()),
         ]
-    if window.judge_losses:
-        zero = window.channel.zero()
-        losses = torch.stack([zero if loss is None else loss for loss in window.losses]).to(torch.float64)
-        bad_values = ~torch.isfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
-        bad_loss = ~torch.isfinite(losses)
-        # a finite loss times a huge count: the count's fault, not the model's
-        flags += [
-            (Problem.BAD_LOSS, (bad_values & bad_loss).any()),
-            (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any()),
-        ]
+    zero = window.channel.zero()
+    losses = torch.stack([zero if loss is None else loss for loss in window.losses]).to(torch.float64)
+    bad_values = ~torch.isfinite(losses * (valid if window.mean else (valid > 0).to(torch.float64))) & (valid > 0)
+    bad_loss = ~torch.isfinite(losses)
+    # a finite loss times a huge count: the count's fault, not the model's
+    flags += [
+        (Problem.BAD_LOSS, (bad_values & bad_loss).any()),
+        (Problem.COUNT_RANGE, (bad_values & ~bad_loss).any()),
+    ]
     if window.aux:
         flags.append((Problem.BAD_AUX_LOSS, (~torch.isfinite(torch.stack(window.aux).to(torch.float64))).any()))
     for problem, pairs in window.pairs.items():
