@@ -209,6 +209,19 @@ def test_ranks_that_cannot_be_padded_are_refused_on_every_rank(
         assert re.search(match.format(local=lengths[rank]), message), message
 
 
+@pytest.mark.distributed
+def test_a_length_on_some_ranks_only_is_refused_on_every_rank(tmp_path: Path) -> None:
+    """Rank 0 loops over a list, rank 1 over a generator (no length): a ValueError on every rank when the pass
+    starts, before any forward."""
+    data: list[Any] = ragged(2, 4, seed=44)
+    data[1] = (batch for batch in data[1])
+    errors = every_rank_raises(ddp(), tmp_path, train, data, "lookahead")
+    assert one_message(errors) == (
+        "ValueError: token_mean: the training loaders have a length on some ranks and none on others (an"
+        " IterableDataset on some ranks only?); give every rank the same kind of loader."
+    )
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # 2. a bad count, a NaN loss, a count_fn that raises, on rank 1 only
 # ---------------------------------------------------------------------------------------------------------------

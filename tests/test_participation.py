@@ -16,6 +16,7 @@ from _harness import (
     EXACT,
     FORK,
     MODES,
+    SHORT_TIMEOUT,
     Batch,
     TokenModule,
     constant,
@@ -63,6 +64,50 @@ def test_uneven_ranks_error_when_padding_is_off(tmp_path: Path) -> None:
     for rank, message in enumerate(errors):
         assert re.search(r"between 3 and 5 batches[\s\S]*set `pad_uneven_ranks=True`", message), message
         assert f"(this rank: {len(data[rank])})" in message, message
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_streams_ending_in_different_windows_are_an_error_when_padding_is_off(tmp_path: Path, mode: str) -> None:
+    """Streams: no length to agree on at fit start. Rank 1's stream ends after window [2, 3], rank 0's goes on: every
+    rank raises at that window's end, before its update (the window itself was whole on both ranks)."""
+    data = ragged_batches(2, 6, seed=24)
+    data[1] = data[1][:4]
+    strategy = TokenMeanDDPStrategy(mode=mode, pad_uneven_ranks=False, **FORK)  # type: ignore[arg-type]
+    module = TokenModule(data, iterable=True)
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
+    assert errors[0] == errors[1], errors
+    for message in errors:
+        assert message.startswith(f"DenominatorError: token_mean: {_UNEVEN}"), message
+        assert "optimizer step 1 (epoch 0, batches 2..3)" in message, message
+        assert "keep `pad_uneven_ranks=True`" in message, message
+
+
+_UNEVEN = "the ranks ran accumulation windows of different lengths: the ranks' streams ended in different windows"
+
+
+class HalfStreams(TokenModule):
+    """Rank 0's loader has a length, rank 1's is a stream (an IterableDataset on some ranks only)."""
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        self.iterable = self.global_rank == 1
+        return super().train_dataloader()
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_a_length_on_some_ranks_only_is_an_error_everywhere(tmp_path: Path, mode: str) -> None:
+    """Lightning sizes a loader in a collective that only the ranks with a sized one join (a hang, under plain DDP
+    too): the strategy refuses it on every rank first."""
+    data = ragged_batches(2, 4, seed=25)
+    strategy = TokenMeanDDPStrategy(mode=mode, timeout=SHORT_TIMEOUT, **FORK)  # type: ignore[arg-type]
+    errors = raises_everywhere(tmp_path, lambda: fit(HalfStreams(data), strategy, tmp_path, accumulate_grad_batches=2))
+    for message in errors:
+        assert message.startswith("ValueError: token_mean: the training loaders have a length on some ranks and none"
+                                  " on others"), message
+        assert "give every rank the same kind of loader" in message, message
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -238,11 +283,22 @@ def test_count_fn_and_num_items_must_agree(tmp_path: Path, mode: str, count_fn: 
 
 @pytest.mark.distributed
 @pytest.mark.timeout(60)
-def test_rank_without_any_batch_is_an_error_everywhere(tmp_path: Path) -> None:
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_rank_without_any_batch_is_an_error_everywhere(tmp_path: Path, iterable: bool) -> None:
+    """A sized loader of length 0 on rank 1 alone: Lightning raises on that rank only (rank 0 would wait in the next
+    collective until the process group's timeout), so the strategy refuses it on every rank first."""
     data = ragged_batches(2, 3, seed=26)
     data[1] = []
-    strategy = TokenMeanDDPStrategy(**FORK)
-    module = TokenModule(data, iterable=True)
+    strategy = TokenMeanDDPStrategy(timeout=SHORT_TIMEOUT, **FORK)
+    module = TokenModule(data, iterable=iterable)
     errors = raises_everywhere(tmp_path, lambda: fit(module, strategy, tmp_path, accumulate_grad_batches=2))
-    assert len(set(errors)) == 1, errors
-    assert "yielded no batch this epoch" in errors[0], errors[0]
+    if iterable:
+        assert len(set(errors)) == 1, errors
+        assert "yielded no batch this epoch" in errors[0], errors[0]
+        return
+    for rank, message in enumerate(errors):
+        assert message == (
+            "ValueError: token_mean: the training loaders of 1 of the 2 ranks have no batch (this rank's:"
+            f" {3 - 3 * rank}). A rank without any batch cannot take part in the backward: give every rank at least"
+            " one batch."
+        ), message

@@ -247,6 +247,25 @@ class Passes:
         self._own_length = None if limited else own
         return self._length
 
+    def check_loader(self, length: int | None) -> None:
+        """A training loader of ``length`` batches (None: a stream) is about to be sized: refuse, on every rank at once,
+        loaders with a length on some ranks only, or without a batch on some ranks only. One collective a loader."""
+        channel = self.mode.channel
+        reduced = channel.reduce(
+            Kind.LENGTH, {Slot.UNSIZED: float(length is None), Slot.EPOCH_LENGTH: float(length == 0)}
+        )
+        reduced.check("the ranks' agreement on their training loaders")
+        size = channel.world.size
+        if 0 < round(reduced[Slot.UNSIZED]) < size:
+            raise ValueError(_MIXED_LENGTHS)
+        empty = round(reduced[Slot.EPOCH_LENGTH])
+        if 0 < empty < size:
+            raise ValueError(
+                f"token_mean: the training loaders of {empty} of the {size} ranks have no batch (this rank's:"
+                f" {length}). A rank without any batch cannot take part in the backward: give every rank at least one"
+                " batch."
+            )
+
     def resume(self, exhausted: bool) -> None:
         """The next pass resumes a checkpoint in which this rank's loader had run out (``exhausted``)."""
         self._resumed_exhausted = exhausted
@@ -263,6 +282,12 @@ def length_is_a_hint(loaders: list[Any]) -> bool:
     """An ``IterableDataset``'s ``__len__`` can overstate what it yields (padding the epoch with phantom optimizer
     steps): its end is agreed as the stream ends instead."""
     return any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders)
+
+
+_MIXED_LENGTHS = (
+    "token_mean: the training loaders have a length on some ranks and none on others (an IterableDataset on some"
+    " ranks only?); give every rank the same kind of loader."
+)
 
 
 def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> int | None:
@@ -288,10 +313,7 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
     unsized = round(reduced[Slot.UNSIZED])
     if unsized:
         if unsized < world.size:
-            raise ValueError(
-                "token_mean: the training loaders have a length on some ranks and none on others (an IterableDataset"
-                " on some ranks only?); give every rank the same kind of loader."
-            )
+            raise ValueError(_MIXED_LENGTHS)
         return None
     total, squares = reduced[Slot.EPOCH_LENGTH], reduced[Slot.EPOCH_LENGTH_SQUARED]
     if squares * world.size == total * total:

@@ -15,6 +15,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.fabric.utilities.data import sized_len
 from lightning.pytorch.strategies import DDPStrategy, ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -141,6 +142,14 @@ class TokenMeanStrategy(ParallelStrategy):
         _lightning.read_through(trainer, self._passes)
         self._unwrap_hook = _lightning.refuse_early_epoch_end(trainer.lightning_module, self._left_early)
         self._first_window = first_window_observers(self._settings, replayable=True)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        dataloader = super().process_dataloader(dataloader)
+        trainer = self._fitting
+        if self._passes is not None and trainer is not None and _lightning.sizes_the_training_loader(trainer):
+            self._passes.check_loader(sized_len(dataloader))  # before Lightning's collective, which some ranks skip
+        return dataloader
 
     def _layout(self, model: Module) -> Layout:
         return layout(self, model)
