@@ -372,6 +372,29 @@ def test_different_number_of_steps(tmp_path: Path) -> None:
         )
 
 
+@pytest.mark.parametrize("on_divergence", ["raise", "warn"])
+def test_a_stream_longer_than_its_reference(tmp_path: Path, on_divergence: str) -> None:
+    """A stream's run length is unknown at fit start, so the steps past the reference are found as they come: the
+    first raises, or warns once (and is not compared); the steps before it compare."""
+    trace = tmp_path / "ref.csv"
+    trainer_for(tmp_path / "a", callbacks=[DenominatorMonitor(record=trace)]).fit(
+        TokenModule(counts_data([[3, 4, 5]]), iterable=True)
+    )
+    monitor = DenominatorMonitor(reference=trace, on_divergence=on_divergence)
+    run = lambda: trainer_for(tmp_path / "b", callbacks=[monitor]).fit(  # noqa: E731
+        TokenModule(counts_data([[3, 4, 5, 6, 7]]), iterable=True)
+    )
+    message = rf"Step 3 is not in the reference trace '{re.escape(str(trace))}' \(steps 0..2\): the runs have different"
+    if on_divergence == "raise":
+        with pytest.raises(DivergenceError, match=message):
+            run()
+        return
+    with pytest.warns(UserWarning, match=message + r"[\s\S]*Such steps are not compared") as warned:
+        run()
+    assert sum("is not in the reference trace" in str(w.message) for w in warned) == 1
+    assert monitor.first_divergence is None
+
+
 def write(path: Path, text: str) -> Path:
     path.write_text(text)
     return path

@@ -124,6 +124,17 @@ def test_misuse_of_the_last_batch_raises_at_the_end_of_the_pass(mode: str, misus
 
 
 @pytest.mark.parametrize("mode", MODES)
+def test_a_mapping_of_losses_without_terms_names_the_fix(mode: str) -> None:
+    """``backward`` takes one loss tensor unless ``count_fn`` names terms (then a mapping of them)."""
+    _, model, _, accumulator, data = one_device(mode)
+    batches = accumulator.batches(data)
+    batch = next(batches)
+    with pytest.raises(TypeError, match=r"`accumulator\.backward\(loss\)` takes the micro-batch's loss tensor, got"
+                                        r" dict: a mapping of losses needs `count_fn` as a mapping of the same terms"):
+        accumulator.backward({"lm": shifted_loss(model, batch)})
+
+
+@pytest.mark.parametrize("mode", MODES)
 def test_finish_before_the_last_micro_batchs_backward(mode: str) -> None:
     _, model, _, accumulator, data = one_device(mode)
     batches = accumulator.batches(data)
@@ -286,7 +297,7 @@ def test_a_no_backward_sync_flag_that_disagrees_with_the_window(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# 5. refused strategies: FSDP1 and DeepSpeed
+# 5. refused strategies: FSDP1, DeepSpeed, any other (DataParallel)
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -297,10 +308,11 @@ def refused_setup(strategy_name: str) -> tuple[Any, Any]:
     fabric is a stand-in with that ``strategy`` (and the device and ranks the accumulator reads), and the model is a
     real ``_FabricModule`` whose ``_strategy`` is that strategy, as ``fabric.setup`` builds it
     (``lightning/fabric/wrappers.py``)."""
-    from lightning.fabric.strategies import DeepSpeedStrategy, FSDPStrategy
+    from lightning.fabric.strategies import DataParallelStrategy, DeepSpeedStrategy, FSDPStrategy
     from lightning.fabric.wrappers import _FabricModule
 
-    strategy = FSDPStrategy() if strategy_name == "FSDPStrategy" else DeepSpeedStrategy.__new__(DeepSpeedStrategy)
+    built = {"FSDPStrategy": FSDPStrategy, "DataParallelStrategy": DataParallelStrategy}
+    strategy = built[strategy_name]() if strategy_name in built else DeepSpeedStrategy.__new__(DeepSpeedStrategy)
     fabric = SimpleNamespace(strategy=strategy, device=torch.device("cpu"), world_size=1, global_rank=0)
     return fabric, _FabricModule(TokenNet(), strategy)
 
@@ -310,12 +322,15 @@ REFUSALS = {
                     r" not tested: use `ModelParallelStrategy` \(FSDP2\)\.",
     "DeepSpeedStrategy": r"`TokenMeanAccumulator` does not support `DeepSpeedStrategy`: Fabric's `no_backward_sync`"
                          r" does nothing under DeepSpeed\.",
+    "DataParallelStrategy": r"`TokenMeanAccumulator` does not support `DataParallelStrategy`: use one device,"
+                            r" `DDPStrategy` or `ModelParallelStrategy`\.",
 }
 
 
 @pytest.mark.parametrize("strategy_name", [
     "FSDPStrategy",
     "DeepSpeedStrategy",
+    "DataParallelStrategy",
 ])
 def test_refused_strategies_say_why_at_construction(strategy_name: str) -> None:
     """Control: the same hand-built inputs with a real single-device strategy are accepted

@@ -247,6 +247,14 @@ def test_different_divide_factors_are_an_error(tmp_path: Path) -> None:
 
 
 @pytest.mark.distributed
+@pytest.mark.skipif(not READABLE_FACTOR, reason="torch < 2.8 keeps no readable divide factor")
+@pytest.mark.parametrize("factor", [0.0, -2.0])
+def test_a_divide_factor_that_cannot_be_undone_is_an_error(tmp_path: Path, factor: float) -> None:
+    with pytest.raises(Exception, match=rf"`set_gradient_divide_factor\({factor!r}\)` on `net`: a reduced gradient"):
+        fit(DividedModule(ragged_batches(2, 2), (factor,)), strategy_for("lookahead", 2, 1), tmp_path)
+
+
+@pytest.mark.distributed
 @pytest.mark.skipif(READABLE_FACTOR, reason="torch >= 2.8 keeps the factor, which is accepted (above)")
 def test_unreadable_divide_factor_is_an_error(tmp_path: Path) -> None:
     with pytest.raises(Exception, match=r"set_reduce_scatter_divide_factor\(\.\.\.\)`, whose factor torch < 2.8"):

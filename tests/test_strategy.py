@@ -541,6 +541,9 @@ def test_ddp_arguments_pass_through() -> None:
         ({"loss_reduction": "avg"}, ValueError, r"`loss_reduction` must be 'mean' .* or 'sum' .*, got 'avg'"),
         ({"count_fn": 3}, TypeError, r"`count_fn` must be a callable .* got int: 3"),
         ({"mode": "deferred", "ddp_comm_hook": lambda s, b: None}, ValueError, r"`ddp_comm_hook` cannot be combined"),
+        ({"pad_uneven_ranks": "no"}, ValueError, r"`pad_uneven_ranks` must be True or False, got 'no'\."),
+        ({"check_count": 0}, ValueError, r"`check_count` must be True or False, got 0\."),
+        ({"count_fn": {"lm": None}}, TypeError, r"`count_fn\['lm'\]` is None: give each term a count"),
     ],
 )
 def test_bad_arguments(kwargs: dict[str, Any], error: type[Exception], match: str) -> None:
@@ -613,6 +616,49 @@ def test_unsupported_setups(tmp_path: Path, module_cls: type[TokenModule], match
     errors = raises_everywhere(tmp_path, lambda: fit(module, strategy_for("lookahead"), tmp_path))
     assert len(set(errors)) == 1, errors
     assert errors[0].startswith("ValueError: ") and match in errors[0], errors[0]
+
+
+class ClosureTwice(torch.optim.SGD):
+    """A first-order optimizer that evaluates its closure twice in one step (as a line search does)."""
+
+    def step(self, closure: Any = None) -> Any:
+        closure()
+        return super().step(closure)
+
+
+class WithClosureTwice(TokenModule):
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return ClosureTwice(self.parameters(), lr=0.1)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", MODES)
+def test_an_optimizer_that_evaluates_the_closure_twice_is_refused_on_every_rank(tmp_path: Path, mode: str) -> None:
+    """Not LBFGS (refused at fit start) but its pattern: the second evaluation would count the window again. Refused
+    at the first step, before the update."""
+    module = WithClosureTwice(ragged_batches(2, 2))
+    errors = raises_everywhere(tmp_path, lambda: fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2))
+    assert len(set(errors)) == 1, errors
+    assert errors[0].startswith("RuntimeError: token_mean: the optimizer evaluated the closure more than once in one"
+                                " step"), errors[0]
+    assert not (tmp_path / "params.pt").exists()
+
+
+class AccumulatingItself(TokenMeanDDPStrategy):
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return True
+
+
+@pytest.mark.distributed
+def test_a_strategy_that_handles_accumulation_itself_is_refused_at_fit_start(tmp_path: Path) -> None:
+    strategy = AccumulatingItself(**FORK)
+    errors = raises_everywhere(tmp_path, lambda: fit(TokenModule(ragged_batches(2, 2)), strategy, tmp_path))
+    assert len(set(errors)) == 1, errors
+    assert errors[0] == (
+        "ValueError: `AccumulatingItself` cannot normalize windows when `handles_gradient_accumulation` is True:"
+        " the strategy would no longer see the accumulation windows."
+    ), errors[0]
 
 
 class TupleBatches(TokenModule):

@@ -448,3 +448,32 @@ def test_a_bad_term_raises_on_every_rank_before_the_update(tmp_path: Path, probl
             else "`count_fn` returned a negative count")
     assert errors[0].startswith("DenominatorError: token_mean: ") and what in errors[0].splitlines()[0], errors[0]
     assert not (tmp_path / "params.pt").exists()
+
+
+class ReportsTermCounts(TermsModule):
+    """Reports each term's count as 'num_items' (a mapping); with ``wrong``, rank 1's 'cls' one too many."""
+
+    def __init__(self, data: list[list[Batch]], wrong: bool) -> None:
+        super().__init__(data, {"lm": lm, "cls": cls})
+        self.wrong = wrong
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Any:
+        extra = int(self.wrong and self.global_rank == 1)
+        reported = {"lm": (batch["labels"] != IGNORE_INDEX).sum(), "cls": len(batch["cls"]) + extra}
+        return {**super().training_step(batch, batch_idx), "num_items": reported}
+
+
+@pytest.mark.distributed
+def test_a_terms_num_items_that_disagrees_with_its_count_raises_on_every_rank(tmp_path: Path) -> None:
+    """Control: reported right on every rank, the same run is exact."""
+    data = with_classes(ragged_batches(2, 4, seed=79))
+    strategy = strategy_for("lookahead", count_fn=LM_AND_CLS, check_count=False)
+    params, _ = fit(ReportsTermCounts(data, wrong=False), strategy, tmp_path / "right", accumulate_grad_batches=K)
+    assert relative_error(params, reference(CASES["lm-plus-classification"][0], data)) < EXACT
+    strategy = strategy_for("lookahead", count_fn=LM_AND_CLS, check_count=False)
+    errors = raises_everywhere(tmp_path / "outcomes", lambda: fit(ReportsTermCounts(data, wrong=True), strategy,
+                                                                  tmp_path, accumulate_grad_batches=K))
+    assert len(set(errors)) == 1, errors
+    first = errors[0].splitlines()[0]
+    assert first.startswith("DenominatorError: token_mean: rank 1: `count_fn(batch)` and the 'num_items'"), errors[0]
+    assert not (tmp_path / "params.pt").exists()
