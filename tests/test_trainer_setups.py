@@ -81,6 +81,16 @@ def assert_misses(params: dict[str, Tensor], expected: dict[str, Tensor]) -> Non
     assert error > MISSES, f"plain DDP matched the token mean ({error:.3e}): the test could not fail"
 
 
+def matches_or_misses(mode: str, params: dict[str, Tensor], windows: list[dict[str, Any]],
+                      expected: dict[str, Tensor], counts: list[float]) -> None:
+    """The strategy's run is exact, window by window; plain DDP's (the control) misses."""
+    if mode == "plain":
+        assert_misses(params, expected)
+        return
+    assert_exact(params, expected)
+    assert [window["global_count"] for window in windows] == counts
+
+
 def nonempty(batch: Batch) -> Batch:
     """The batch with at least one valid target, so that a mean loss is never 0/0."""
     labels = batch["labels"].clone()
@@ -262,6 +272,120 @@ def test_exact_sampler_with_lightnings_default(tmp_path: Path, mode: str, count:
     seen = [json.loads((tmp_path / f"seen{rank}.json").read_text()) for rank in range(2)]
     assert seen == [list(range(0, count, 2)), list(range(1, count, 2))], "items trained by rank 0 and rank 1"
     assert_exact(params, expected)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# reload_dataloaders_every_n_epochs: each epoch's loaders anew, of another length (uneven ranks in epoch 0)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class ReloadedModule(TokenModule):
+    """Epoch e trains ``epochs[e][rank]``: Lightning calls ``train_dataloader`` again at every epoch."""
+
+    def __init__(self, epochs: list[list[list[Batch]]], iterable: bool) -> None:
+        super().__init__(epochs[0], iterable=iterable)
+        self.epochs = epochs
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        self.data = self.epochs[self.current_epoch]
+        return super().train_dataloader()
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_loaders_reloaded_every_epoch(tmp_path: Path, mode: str, iterable: bool) -> None:
+    """Epoch 0: 5 and 3 batches (fillers on rank 1), epoch 1: 4 and 4, epoch 2: 3 and 3, with K = 2: each epoch's
+    windows are those of its own loaders, agreed anew. Control: plain DDP misses (its means of means; epoch 0 even
+    there, 5 and 5: uneven ranks leave its collectives out of step)."""
+    data = ragged_batches(2, 12, seed=181)
+    first = 5 if mode == "plain" else 3
+    epochs = [[data[0][:5], data[1][:first]], [data[0][5:9], data[1][5:9]], [data[0][9:], data[1][9:]]]
+    module = ReloadedModule(epochs, iterable)
+    params, windows = fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=3,
+                          reload_dataloaders_every_n_epochs=1)
+    steps = [step for epoch in epochs for step in lightning_steps(epoch, 2)]
+    expected, counts = reference_steps(steps)
+    matches_or_misses(mode, params, windows, expected, counts)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_overfit_batches(tmp_path: Path, mode: str) -> None:
+    """`overfit_batches=3`: every epoch trains each rank's first 3 batches (windows [0, 1], [2]). Control: plain DDP
+    misses."""
+    data = ragged_batches(2, 6, seed=183)
+    params, windows = fit(TokenModule(data), strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2,
+                          overfit_batches=3)
+    expected, counts = reference_steps(lightning_steps([rank[:3] for rank in data], 2, epochs=2))
+    matches_or_misses(mode, params, windows, expected, counts)
+
+
+class Validated(TokenModule):
+    """Validates on its own training batches (forward only, the loss logged with `sync_dist`, a collective)."""
+
+    out: Path  # where rank 0 notes after which batch each validation ran
+
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
+        self.log("val_loss", token_loss(self.net, batch), sync_dist=True, batch_size=1)
+
+    def on_validation_start(self) -> None:  # after which batch (rank 0 notes it)
+        if self.global_rank == 0 and not self.trainer.sanity_checking:
+            with (self.out / "validated.txt").open("a") as file:
+                file.write(f"{self.trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1}\n")
+
+    def val_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(ListDataset(self.data[self.global_rank][:2]), batch_size=None)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_validation_inside_windows(tmp_path: Path, mode: str, iterable: bool) -> None:
+    """`val_check_interval=2` with K = 3: validations after batches 1, 3 and 5 run inside windows (and the
+    lookahead's batches read ahead wait through them). Control: plain DDP misses."""
+    data = ragged_batches(2, 7, seed=184)
+    module = Validated(data, iterable=iterable)
+    module.out = tmp_path
+    params, windows = fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=3, val_check_interval=2,
+                          limit_val_batches=2, check_val_every_n_epoch=None if iterable else 1)
+    assert (tmp_path / "validated.txt").read_text().split()[:3] == ["1", "3", "5"]
+    expected, counts = reference_steps(lightning_steps(data, 3))
+    matches_or_misses(mode, params, windows, expected, counts)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# stopping inside a window (`trainer.should_stop`, as `EarlyStopping` and `Timer` set it): Lightning ends the epoch
+# after the batch, and the partial window is never stepped (plain DDP's gradient is dropped there too)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class StopAt(Callback):
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        if trainer.fit_loop.epoch_loop.batch_progress.current.ready - 1 == self.batch:
+            trainer.should_stop = True  # on every rank, as EarlyStopping and Timer decide it
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("iterable", [False, True], ids=["sized", "iterable"])
+def test_should_stop_inside_a_window(tmp_path: Path, mode: str, iterable: bool) -> None:
+    """K = 3, stopped after batch 4 (inside window [3, 5]): one step, the first window's, then a clean end with a
+    checkpoint. Control: plain DDP's one step misses."""
+    data = ragged_batches(2, 8, seed=182)
+    checkpoints = ModelCheckpoint(dirpath=tmp_path / "checkpoints", save_last=True)
+    params, windows = fit(TokenModule(data, iterable=iterable), strategy_for(mode), tmp_path,
+                          accumulate_grad_batches=3, callbacks=[StopAt(4), checkpoints], enable_checkpointing=True)
+    assert summary_of(tmp_path)["global_step"] == 1
+    expected, counts = reference_steps(lightning_steps(data, 3)[:1])
+    matches_or_misses(mode, params, windows, expected, counts)
+    if mode == "plain":
+        return
+    saved = torch.load(tmp_path / "checkpoints" / "last.ckpt", map_location="cpu", weights_only=False)
+    assert saved["token_mean"]["inside_window"].startswith("the accumulation window of optimizer step 1")  # refused
 
 
 # ---------------------------------------------------------------------------------------------------------------
