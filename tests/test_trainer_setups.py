@@ -354,6 +354,32 @@ def test_validation_inside_windows(tmp_path: Path, mode: str, iterable: bool) ->
     matches_or_misses(mode, params, windows, expected, counts)
 
 
+class WithWorkers(TokenModule):
+    """Batches made in DataLoader worker processes (shared memory), pinned, the workers kept across epochs or not."""
+
+    persistent = False
+
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(ListDataset(self.data[self.global_rank]), batch_size=None, num_workers=2,
+                          persistent_workers=self.persistent, pin_memory=self.persistent)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+@pytest.mark.parametrize("persistent", [False, True], ids=["workers", "persistent-workers"])
+def test_loader_workers(tmp_path: Path, mode: str, persistent: bool) -> None:
+    """Two worker processes per rank, two epochs, uneven ranks for the strategy (5 and 4 batches; 5 and 5 for plain
+    DDP, whose collectives uneven ranks leave out of step). Control: plain DDP misses."""
+    data = ragged_batches(2, 5, seed=185)
+    if mode != "plain":
+        data[1] = data[1][:4]
+    module = WithWorkers(data)
+    module.persistent = persistent
+    params, windows = fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2)
+    expected, counts = reference_steps(lightning_steps(data, 2, epochs=2))
+    matches_or_misses(mode, params, windows, expected, counts)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # stopping inside a window (`trainer.should_stop`, as `EarlyStopping` and `Timer` set it): Lightning ends the epoch
 # after the batch, and the partial window is never stepped (plain DDP's gradient is dropped there too)
