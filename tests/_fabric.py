@@ -155,16 +155,17 @@ def full_state(model: nn.Module) -> dict[str, Tensor]:
 
 
 def rank_batches(fabric: Fabric, data: Sequence[Sequence[Batch]], loader: str = "list") -> Iterable[Batch]:
-    """This rank's batches: the list itself, or a ``DataLoader`` over a ``Dataset`` (``"sized"``) or an
-    ``IterableDataset`` (``"unsized"``) of them, through ``fabric.setup_dataloaders`` (no sampler: they are the
-    rank's own already)."""
+    """This rank's batches: the list itself, or a ``DataLoader`` over a ``Dataset`` (``"sized"``; ``"workers"``:
+    made in 2 persistent worker processes) or an ``IterableDataset`` (``"unsized"``) of them, through
+    ``fabric.setup_dataloaders`` (no sampler: they are the rank's own already)."""
     batches = list(data[data_rank(fabric)])
     if loader == "list":
         return batches
-    if loader not in LOADERS:
-        raise ValueError(f"`loader` must be one of {LOADERS}, got {loader!r}.")
+    if loader not in (*LOADERS, "workers"):
+        raise ValueError(f"`loader` must be one of {LOADERS} or 'workers', got {loader!r}.")
     dataset: Any = StreamDataset(batches) if loader == "unsized" else ListDataset(batches)
-    return fabric.setup_dataloaders(DataLoader(dataset, batch_size=None), use_distributed_sampler=False)
+    workers: dict[str, Any] = {"num_workers": 2, "persistent_workers": True} if loader == "workers" else {}
+    return fabric.setup_dataloaders(DataLoader(dataset, batch_size=None, **workers), use_distributed_sampler=False)
 
 
 def setup(fabric: Fabric) -> tuple[Any, Any]:

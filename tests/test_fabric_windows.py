@@ -91,6 +91,14 @@ def test_ddp_matches_the_reference_and_the_batches_loop(mode: str) -> None:
     check_both_shapes(launched(forked_ranks(), both_shapes, mode))
 
 
+@pytest.mark.distributed
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("mode", MODES)
+def test_loader_workers_match_the_reference(mode: str) -> None:
+    """The batches made in 2 persistent DataLoader worker processes per rank (shared memory)."""
+    check_both_shapes(launched(forked_ranks(), both_shapes, mode, ("workers",)), ("workers",))
+
+
 def parallelize_summed(model: Any, mesh: Any) -> Any:
     """torchtitan's setup: FSDP2 sums the gradients over the data-parallel ranks (divide factor 1)."""
     model = parallelize(model, mesh)
