@@ -23,6 +23,7 @@ import lightning.pytorch as pl
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 from _harness import (
     CLASSES,
     EXACT,
@@ -377,6 +378,27 @@ def test_loader_workers(tmp_path: Path, mode: str, persistent: bool) -> None:
     module.persistent = persistent
     params, windows = fit(module, strategy_for(mode), tmp_path, accumulate_grad_batches=2, max_epochs=2)
     expected, counts = reference_steps(lightning_steps(data, 2, epochs=2))
+    matches_or_misses(mode, params, windows, expected, counts)
+
+
+class Checkpointed(TokenModule):
+    """Activation checkpointing (non-reentrant, torch's recommended form): the hidden layer's forward runs again in
+    the backward."""
+
+    def training_step(self, batch: Batch, batch_idx: int) -> Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        hidden = checkpoint(lambda x: torch.tanh(self.net.hidden(x)), batch["x"], use_reentrant=False)
+        logits = self.net.out(hidden)
+        return F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten(), ignore_index=-100)
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("mode", [*MODES, "plain"])
+def test_activation_checkpointing(tmp_path: Path, mode: str) -> None:
+    data = ragged_batches(2, 5, seed=186)
+    params, windows = fit(Checkpointed(data), strategy_for(mode), tmp_path, accumulate_grad_batches=2)
+    expected, counts = reference_steps(lightning_steps(data, 2))
     matches_or_misses(mode, params, windows, expected, counts)
 
 
