@@ -54,12 +54,12 @@ def refuse_early_epoch_end(
     return lambda: module.__dict__.pop("on_train_batch_start", None)
 
 
-def sizes_the_training_loader(trainer: pl.Trainer) -> bool:
-    """Whether ``Strategy.process_dataloader`` is called for a training loader of the fit. Relies on:
+def sizes_the_training_loader(trainer: pl.Trainer | None) -> bool:
+    """Whether ``Strategy.process_dataloader`` is called for a training loader of the fit (of ``trainer``). Relies on:
     ``FitLoop.setup_data`` calls it (in ``_process_dataloader``) for each training loader while ``trainer.training``
     (the evaluation loops set ``validating`` or ``sanity_checking`` first), before ``has_len_all_ranks``, whose
     ``strategy.reduce`` only the ranks with a sized loader join and which raises alone on a rank of length 0."""
-    return bool(trainer.training)
+    return trainer is not None and bool(trainer.training)
 
 
 def should_update_logs(trainer: pl.Trainer) -> bool:

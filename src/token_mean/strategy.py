@@ -103,10 +103,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @property
     def is_filler_batch(self) -> bool:
-        """True while the micro-batch in flight is a zero-weight repeat of an exhausted rank: in its
-        ``training_step`` and its backward (``on_before_backward``, ``on_after_backward``), as ``token_mean.
-        in_filler_batch()`` says; metrics, ``self.log`` and BatchNorm statistics see it unless they check
-        (``TokenMeanLoss`` does)."""
+        """True while the micro-batch in flight, from its ``training_step`` to its backward's hooks, is a zero-weight
+        repeat of an exhausted rank's batch (``token_mean.in_filler_batch()``); metrics, ``self.log`` and BatchNorm
+        statistics see it unless they check (``TokenMeanLoss`` does)."""
         return self._micro is not None and self._micro.is_filler
 
     def track_rank_counts(self) -> None:
@@ -145,11 +144,9 @@ class TokenMeanStrategy(ParallelStrategy):
 
     @override
     def process_dataloader(self, dataloader: object) -> object:
-        dataloader = super().process_dataloader(dataloader)
-        trainer = self._fitting
-        if self._passes is not None and trainer is not None and _lightning.sizes_the_training_loader(trainer):
+        if self._passes is not None and _lightning.sizes_the_training_loader(self._fitting):
             self._passes.check_loader(sized_len(dataloader))  # before Lightning's collective, which some ranks skip
-        return dataloader
+        return super().process_dataloader(dataloader)
 
     def _layout(self, model: Module) -> Layout:
         return layout(self, model)
@@ -216,9 +213,7 @@ class TokenMeanStrategy(ParallelStrategy):
         micro = _ended_window(micro)
         if self._first_window:  # the fit's first window ended (its count check runs here, on every rank)
             observers, self._first_window = self._first_window, []
-            replay = _replay(self)
-            for observer in observers:
-                observer.ended(replay, micro.window.where)
+            _first_window_ended(self, observers, micro.window.where)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, closure_run_already(result), model, **kwargs)
@@ -249,11 +244,8 @@ class TokenMeanStrategy(ParallelStrategy):
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
         0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
-        if self._passes is None:
-            return None
-        return restore(
-            checkpoint.get(CHECKPOINT_KEY), self._passes, self.world_size, self.global_rank, has_loader_states
-        )
+        passes, state = self._passes, checkpoint.get(CHECKPOINT_KEY)
+        return None if passes is None else restore(state, passes, self.world_size, self.global_rank, has_loader_states)
 
 
 def _early_end(batch_idx: int, rank: int) -> DenominatorError:
@@ -266,12 +258,14 @@ def _early_end(batch_idx: int, rank: int) -> DenominatorError:
     )
 
 
-def _replay(strategy: TokenMeanStrategy) -> Replay:
-    """How the first window's observers replay `training_step` (its `self.log` dropped)."""
+def _first_window_ended(strategy: TokenMeanStrategy, observers: list[FirstWindowObserver], where: str) -> None:
+    """The observers of the fit's first window see it end, replaying `training_step` (its `self.log` dropped)."""
     passes = strategy._passes
     world = passes.mode.channel.world if passes is not None else World.single()
     context = strategy.precision_plugin.train_step_context
-    return Replay(strategy._module(), _lightning.replay_training_step, context, world, "`training_step`")
+    replay = Replay(strategy._module(), _lightning.replay_training_step, context, world, "`training_step`")
+    for observer in observers:
+        observer.ended(replay, where)
 
 
 def _check_lightning_steps(trainer: pl.Trainer, micro: MicroBatch) -> None:
