@@ -15,13 +15,13 @@ $(STAMP): pyproject.toml constraints.txt
 demo: $(STAMP)
 	$(PY) examples/masked_lm.py
 
-# The package's tests; the scripts' end-to-end runs (`script`: the benchmarks, the demo) are a lane of their own,
-# which CI runs too.
+# The package's tests; the scripts' end-to-end runs (`script`: the benchmarks, the demo, the templates) are a lane of
+# their own, which CI runs too.
 test: $(STAMP)
 	$(PY) -m pytest -q -m "not script"
 
-# Each benchmark script with its --quick settings (it runs, exits 0, writes its JSON) and the demo on a small corpus:
-# about 3½ minutes.
+# Each benchmark script with its --quick settings (it runs, exits 0, writes its JSON), the demo on a small corpus and
+# the two templates on 2 CPU processes: about 4 minutes.
 test-scripts: $(STAMP)
 	$(PY) -m pytest -q -m script
 

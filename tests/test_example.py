@@ -37,6 +37,7 @@ LOSS_RTOL = 1e-5
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.script  # a user's script end to end: `make test-scripts`, which CI runs beside `make test`
 def test_template_trains_on_two_cpu_processes(tmp_path: Path) -> None:
     """76 pairs on 2 processes in micro-batches of 2: 19 per process, trimmed to 9 whole windows of K = 2 an epoch.
     Validations every 5 steps (after steps 4 and 9, the second in epoch 1, where an untrimmed epoch's short window
@@ -110,6 +111,7 @@ def fabric_template_counts(devices: int, accumulate: int, max_steps: int, micro_
 
 @pytest.mark.distributed
 @pytest.mark.slow
+@pytest.mark.script  # a user's script end to end: `make test-scripts`, which CI runs beside `make test`
 @pytest.mark.parametrize(
     ("strategy", "mode"),
     [
