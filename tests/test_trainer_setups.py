@@ -496,6 +496,45 @@ def test_buffer_refilled_in_place(tmp_path: Path, mode: str) -> None:
         assert_exact(params, expected, f"{mode} finished: ")
 
 
+class LateRefill(IterableDataset[Batch]):
+    """A stream that yields fresh tensors twice, then refills the last batch's tensors in place: deferred mode reads
+    one batch past a stream's window before its last backward, into the memory of the batch in flight."""
+
+    def __init__(self, batches: list[Batch]) -> None:
+        self.batches = batches
+
+    def __iter__(self) -> Iterator[Batch]:
+        last: Batch = {}
+        for index, batch in enumerate(self.batches):
+            if index < 2:
+                last = {key: value.clone() for key, value in batch.items()}
+            else:
+                for key, value in batch.items():
+                    last[key].copy_(value)
+            yield last
+
+
+class LateRefillModule(TokenModule):
+    def train_dataloader(self) -> DataLoader[Batch]:
+        return DataLoader(LateRefill(self.data[self.global_rank]), batch_size=None)
+
+
+@pytest.mark.distributed
+@pytest.mark.timeout(90)
+def test_a_stream_that_refills_the_batch_in_flight_is_refused_in_deferred_mode(tmp_path: Path) -> None:
+    """The read past window [0, 1] overwrites batch 1 before its backward: refused on every rank before the update,
+    naming the fix (fresh tensors) and the batch; never a gradient of another batch."""
+    messages = raises_everywhere(tmp_path, lambda: fit(LateRefillModule(same_shape_batches()), strategy_for(
+        "deferred", timeout=SHORT_TIMEOUT), tmp_path, accumulate_grad_batches=2))
+    assert messages[0] == messages[1], messages
+    first, fix = messages[0].splitlines()[:2]
+    assert first.startswith("DenominatorError: token_mean: ranks 0, 1: a batch read ahead shares memory with a batch"
+                            " held or in flight"), first
+    assert "optimizer step 0 (epoch 0, batches 0..1)" in first, first
+    assert fix.strip().startswith("Fix: make the loader yield fresh tensors (`.clone()`)"), fix
+    assert not (tmp_path / "params.pt").exists()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # a None batch
 #

@@ -79,9 +79,11 @@ class Problem(Enum):
         " `fit`.",
     )
     ALIASED = (
-        "batches read ahead share memory with each other: the loader refills one buffer in place, so the"
-        " window's batches would all hold the last one",
-        "use `mode='deferred'`, which holds no batch ahead, or make the loader yield fresh tensors (`.clone()`).",
+        "a batch read ahead shares memory with a batch held or in flight: the loader refills one buffer in place, so"
+        " the window would train other batches than the ones it counted",
+        "make the loader yield fresh tensors (`.clone()`), or use `mode='deferred'`, which holds no window ahead"
+        " (a stream's loader must still not refill the batch in flight: deferred mode reads one batch past each"
+        " window to learn where the stream ends).",
     )
     UNEVEN = (
         "the ranks ran accumulation windows of different lengths",
