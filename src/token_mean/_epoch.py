@@ -262,8 +262,7 @@ class Passes:
         if 0 < empty < size:
             raise ValueError(
                 f"token_mean: the training loaders of {empty} of the {size} ranks have no batch (this rank's:"
-                f" {length}). A rank without any batch cannot take part in the backward: give every rank at least one"
-                " batch."
+                f" {length}). {_NO_BATCH}"
             )
 
     def resume(self, exhausted: bool) -> None:
@@ -284,6 +283,7 @@ def length_is_a_hint(loaders: list[Any]) -> bool:
     return any(isinstance(getattr(loader, "dataset", None), IterableDataset) for loader in loaders)
 
 
+_NO_BATCH = "A rank without any batch cannot take part in the backward: give every rank at least one batch."
 _MIXED_LENGTHS = (
     "token_mean: the training loaders have a length on some ranks and none on others (an IterableDataset on some"
     " ranks only?); give every rank the same kind of loader."
@@ -326,7 +326,7 @@ def agree_on_length(mode: Mode, local: int | None, pad_uneven_ranks: bool) -> in
             f"token_mean: the ranks' training loaders have between {shortest} and {longest} batches this epoch (this"
             f" rank: {local}). "
             + (
-                "A rank without any batch cannot take part in the backward: give every rank at least one batch."
+                _NO_BATCH
                 if shortest == 0
                 else "With `pad_uneven_ranks=False` every rank needs the same number: set"
                 " `pad_uneven_ranks=True` to let exhausted ranks contribute zero-weight batches, or balance the shards."
