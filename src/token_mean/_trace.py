@@ -9,7 +9,7 @@ import os
 import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 from token_mean.results import Divergence
 
@@ -26,8 +26,8 @@ TRACE_COLUMNS = (*REQUIRED_COLUMNS, *INFO_COLUMNS)
 
 
 def term_columns(terms: Sequence[str]) -> tuple[str, ...]:
-    """The columns of an objective of several terms, two per term after the others, compared like them:
-    ``"{term}/global_count"`` (N_t) and ``"{term}/loss"`` (the term's global mean)."""
+    """The columns of an objective of several terms, compared like the others: ``"{term}/global_count"`` and
+    ``"{term}/loss"``."""
     return tuple(f"{term}/{column}" for term in terms for column in ("global_count", "loss"))
 
 
@@ -81,14 +81,14 @@ def _number(raw: object, path: Path, line: int, column: str) -> TraceValue:
 
 
 def _step(raw: object, path: Path, line: int) -> int:
-    value: int | None = raw if isinstance(raw, int) and not isinstance(raw, bool) else None
-    if value is None:
+    value = raw
+    if isinstance(raw, (str, float)):  # an integral number: "3", "3.0", 3.0
         try:
             number = _number(raw, path, line, "step")
         except ValueError:
             number = None
         value = int(number) if number is not None and number.is_integer() else None
-    if value is None or value < 0:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         raise _malformed(path, line, f"`step` must be a non-negative integer, got {_shown(raw)}.")
     return value
 
@@ -171,12 +171,11 @@ def read_trace(
     extra: Sequence[str] = (),
     writer: str = "DenominatorMonitor",
 ) -> dict[int, TraceRow]:
-    """Load a trace written by ``DenominatorMonitor(record=...)``: step → ``COMPARED_COLUMNS`` and ``extra`` values.
+    """Load a trace written by ``DenominatorMonitor(record=...)``: step → ``COMPARED_COLUMNS`` and ``extra`` values,
+    ``None`` where empty or absent. ``argument`` names the file in messages, ``writer`` the monitor that records one.
 
-    One linear pass; ``None`` where a value is empty or an extra column absent. ``argument`` names the file in
-    messages and ``writer`` the monitor that records one. Anything the writer would not have written (a UTF-8 BOM
-    aside) raises ``ValueError`` naming the file and line, as do a bad suffix, a missing column, a bad
-    ``global_count``, steps not increasing, or no step; ``FileNotFoundError`` or ``IsADirectoryError`` for the path.
+    Anything the writer would not have written (a UTF-8 BOM aside), a missing column, a bad ``global_count``, steps
+    not increasing or no step raise a ``ValueError`` naming the file and line.
 
     Example:
         >>> import tempfile
@@ -246,14 +245,12 @@ class TraceWriter:
     def __init__(self, path: str | os.PathLike[str], terms: Sequence[str] = ()) -> None:
         self.path = Path(path)
         self.columns = (*TRACE_COLUMNS, *term_columns(terms))
-        self._format = trace_format(self.path, "record")
+        is_csv = trace_format(self.path, "record") == "csv"
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        newline = "" if self._format == "csv" else None
-        self._file: IO[str] | None = self.path.open("w", newline=newline, encoding="utf-8")
-        self._csv: Any = None
+        self._file: IO[str] | None = self.path.open("w", newline="" if is_csv else None, encoding="utf-8")
         weakref.finalize(self, self._file.close)  # the file closes itself with its writer (or at exit)
-        if self._format == "csv":
-            self._csv = csv.DictWriter(self._file, fieldnames=self.columns)
+        self._csv = csv.DictWriter(self._file, fieldnames=self.columns) if is_csv else None
+        if self._csv is not None:
             self._csv.writeheader()
 
     def write(self, row: Mapping[str, float | int | None]) -> None:
@@ -275,6 +272,10 @@ class TraceWriter:
 COUNT_RTOL = 1e-9
 """N is compared almost exactly: a different count is never numerics, it is different data or a different count."""
 
+_MISMATCHED_COUNT = (
+    "a count that does not match what the loss averages over (labels shifted inside the model:"
+    " `count_shifted_labels`; class weights: `ClassWeightedCount`; another ignore_index)"
+)
 _CAUSES = {
     "global_count": (
         "a different N at the same step means different data (order, sharding, batch size, drop_last) or a different"
@@ -282,17 +283,13 @@ _CAUSES = {
         " `ClassWeightedCount`, another ignore_index)"
     ),
     "loss": (
-        "the same N with a different loss means a count that does not match what the loss averages over (labels"
-        " shifted inside the model: `count_shifted_labels`; class weights: `ClassWeightedCount`; another"
-        " ignore_index), a different loss definition or numerics (precision, kernels), or parameters that already"
-        " differed (compare the previous step's param fingerprint)"
+        f"the same N with a different loss means {_MISMATCHED_COUNT}, a different loss definition or numerics"
+        " (precision, kernels), or parameters that already differed (compare the previous step's param fingerprint)"
     ),
     "grad_norm": (
-        "the same N and loss with a different gradient means a different objective: a count that does not match"
-        " what the loss averages over (labels shifted inside the model: `count_shifted_labels`; class weights:"
-        " `ClassWeightedCount`; another ignore_index), plain DDP averaging per-rank means over uneven ranks, or"
-        " Lightning dividing a short last window by the full `accumulate_grad_batches` (use"
-        " `TokenMeanDDPStrategy`); otherwise different numerics"
+        f"the same N and loss with a different gradient means a different objective: {_MISMATCHED_COUNT}, plain DDP"
+        " averaging per-rank means over uneven ranks, or Lightning dividing a short last window by the full"
+        " `accumulate_grad_batches` (use `TokenMeanDDPStrategy`); otherwise different numerics"
     ),
     "param_norm": (
         "the same N, loss and gradient with different parameters after the update means a different optimizer,"

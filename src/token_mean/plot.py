@@ -78,6 +78,13 @@ def _values(trace: dict[int, TraceRow], column: str, steps: Sequence[int]) -> li
     return [math.nan if (value := trace[step][column]) is None else value for step in steps]
 
 
+def _figure(output: str | os.PathLike[str]) -> Path:
+    output = Path(output)
+    if output.suffix.lower() not in FIGURE_SUFFIXES:
+        raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")
+    return output
+
+
 def plot_traces(
     run_path: str | os.PathLike[str],
     reference_path: str | os.PathLike[str],
@@ -90,9 +97,7 @@ def plot_traces(
     Raises what :func:`~token_mean._trace.read_trace` raises; ``ValueError`` if the traces share no step or
     ``output`` is not one of ``FIGURE_SUFFIXES``; ``ModuleNotFoundError`` without matplotlib.
     """
-    output = Path(output)
-    if output.suffix.lower() not in FIGURE_SUFFIXES:
-        raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")
+    output = _figure(output)
     run = read_trace(run_path, "RUN")
     reference = read_trace(reference_path, "REFERENCE")
     comparison = compare_traces(run, reference, rtol, atol)
@@ -105,6 +110,10 @@ def plot_traces(
     return comparison
 
 
+_RUN_STYLE = {"color": "tab:blue", "linewidth": 1.3}
+_REFERENCE_STYLE = {"color": "black", "linewidth": 3.5, "alpha": 0.3}
+
+
 def _draw(
     run: dict[int, TraceRow],
     reference: dict[int, TraceRow],
@@ -115,28 +124,33 @@ def _draw(
 ) -> None:
     """The three panels: both losses; |Δ loss| against the tolerance; both runs' N."""
     plt = _pyplot()
-    run_steps, reference_steps = sorted(run), sorted(reference)
     names = _labels(paths)
-    run_label, reference_label = f"run: {names[0]}", f"reference: {names[1]}"
+    curves = ((reference, f"reference: {names[1]}", _REFERENCE_STYLE), (run, f"run: {names[0]}", _RUN_STYLE))
     figure, (loss_axes, delta_axes, count_axes) = plt.subplots(
         3, 1, sharex=True, figsize=(10, 9), height_ratios=(3, 2, 1.5)
     )
-    reference_style = {"color": "black", "linewidth": 3.5, "alpha": 0.3}
-    for axes, column, style in ((loss_axes, "loss", {}), (count_axes, "global_count", {"drawstyle": "steps-mid"})):
-        axes.plot(
-            reference_steps,
-            _values(reference, column, reference_steps),
-            label=reference_label,
-            **reference_style,
-            **style,
-        )
-        axes.plot(run_steps, _values(run, column, run_steps), color="tab:blue", linewidth=1.3, label=run_label, **style)
+    for axes, column, drawstyle in ((loss_axes, "loss", "default"), (count_axes, "global_count", "steps-mid")):
+        for trace, label, style in curves:
+            steps = sorted(trace)
+            axes.plot(steps, _values(trace, column, steps), label=label, drawstyle=drawstyle, **style)
     loss_axes.set_ylabel("loss: token mean of the step")
     loss_axes.set_title(f"{paths[0]} against {paths[1]}", fontsize="medium")
     loss_axes.legend(loc="upper right")
     count_axes.set_ylabel("N per step")
     count_axes.set_xlabel("optimizer step")
-    _draw_deltas(delta_axes, run, reference, comparison.steps, tolerances)
+    rtol, atol = tolerances
+    run_loss, reference_loss = _values(run, "loss", comparison.steps), _values(reference, "loss", comparison.steps)
+    # A step that matches exactly (0) has no place on a log scale: left out rather than drawn at a made-up floor.
+    deltas = [abs(a - b) or math.nan for a, b in zip(run_loss, reference_loss, strict=True)]
+    tolerance = [atol + rtol * abs(loss) for loss in reference_loss]
+    delta_axes.plot(comparison.steps, deltas, label="|run loss − reference loss|", **_RUN_STYLE)
+    delta_axes.plot(
+        comparison.steps, tolerance, color="grey", linestyle=":", label=f"tolerance {atol:g} + {rtol:g}·|reference|"
+    )
+    if any(value > 0 for value in (*deltas, *tolerance)):  # NaN compares False: skipped
+        delta_axes.set_yscale("log")
+    delta_axes.set_ylabel("|Δ loss|")
+    delta_axes.legend(loc="best", fontsize="small")
     if comparison.divergent_step is not None:
         for axes in (loss_axes, delta_axes, count_axes):
             axes.axvline(comparison.divergent_step, color="tab:red", linestyle=":", linewidth=1)
@@ -153,9 +167,7 @@ def _draw(
 def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -> int:
     """Draw one trace's loss, N and imbalance per step into ``output``; return its number of steps (raises as
     :func:`plot_traces`)."""
-    output = Path(output)
-    if output.suffix.lower() not in FIGURE_SUFFIXES:
-        raise ValueError(f"The figure {str(output)!r} must end in one of {list(FIGURE_SUFFIXES)}.")
+    output = _figure(output)
     run = read_trace(run_path, "RUN", extra=("imbalance",))
     plt = _pyplot()
     steps = sorted(run)
@@ -167,13 +179,8 @@ def plot_run(run_path: str | os.PathLike[str], output: str | os.PathLike[str]) -
         ("imbalance", "imbalance\nmax n_r / mean n_r"),
     )
     for axes, (column, label) in zip(panels, rows, strict=True):
-        axes.plot(
-            steps,
-            _values(run, column, steps),
-            color="tab:blue",
-            linewidth=1.3,
-            drawstyle="default" if column == "loss" else "steps-mid",
-        )
+        drawstyle = "default" if column == "loss" else "steps-mid"
+        axes.plot(steps, _values(run, column, steps), drawstyle=drawstyle, **_RUN_STYLE)
         axes.set_ylabel(label)
     panels[0].set_title(f"{_labels([Path(run_path)])[0]} ({run_path})", fontsize="medium")
     panels[-1].set_xlabel("optimizer step")
@@ -199,26 +206,6 @@ def _save(plt: Any, figure: Any, output: Path) -> None:
     output.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(output, dpi=110)
     plt.close(figure)
-
-
-def _draw_deltas(
-    axes: Any,
-    run: dict[int, TraceRow],
-    reference: dict[int, TraceRow],
-    steps: list[int],
-    tolerances: tuple[float, float],
-) -> None:
-    rtol, atol = tolerances
-    reference_loss = _values(reference, "loss", steps)
-    # A step that matches exactly (0) has no place on a log scale: left out rather than drawn at a made-up floor.
-    deltas = [abs(a - b) or math.nan for a, b in zip(_values(run, "loss", steps), reference_loss, strict=True)]
-    axes.plot(steps, deltas, color="tab:blue", linewidth=1.3, label="|run loss − reference loss|")
-    tolerance = [atol + rtol * abs(loss) for loss in reference_loss]
-    axes.plot(steps, tolerance, color="grey", linestyle=":", label=f"tolerance {atol:g} + {rtol:g}·|reference|")
-    if any(value > 0 for value in (*deltas, *tolerance)):  # NaN compares False: skipped
-        axes.set_yscale("log")
-    axes.set_ylabel("|Δ loss|")
-    axes.legend(loc="best", fontsize="small")
 
 
 def _parser() -> argparse.ArgumentParser:
