@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any, Literal
 
@@ -13,47 +14,22 @@ import torch
 from lightning.fabric.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 
-from token_mean._audit import Auditor, OnAuditFailure
+from token_mean._audit import Auditor, Objective, OnAuditFailure
 from token_mean._fingerprint import global_norm
-from token_mean._settings import CountFn, LossReduction, checked_count_fn, checked_loss_reduction, positive_int
+from token_mean._settings import (
+    CountFn,
+    LossReduction,
+    Settings,
+    checked_count_fn,
+    checked_loss_reduction,
+    positive_int,
+)
 from token_mean._trace import TraceComparison, TraceWriter, trace_format
 from token_mean.errors import DivergenceError
 from token_mean.results import Audit, Divergence, WindowStats
 
 OnDivergence = Literal["warn", "raise", "log"]
 TraceValue = float | int | None
-
-
-def _check_settings(
-    logging_interval: Any,
-    prefix: Any,
-    record: Any,
-    reference: Any,
-    rtol: Any,
-    atol: Any,
-    on_divergence: Any,
-    audit_loss: Any,
-) -> None:
-    """An error naming the argument, its value and the fix, for a monitor's setting out of range."""
-    positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
-    if not isinstance(prefix, str):
-        raise TypeError(f"`prefix` must be a str such as 'denominator', got {type(prefix).__name__}: {prefix!r}.")
-    for name, tolerance in (("rtol", rtol), ("atol", atol)):
-        if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
-            raise ValueError(f"`{name}` must be a number >= 0, got {tolerance!r}.")
-    if on_divergence not in ("warn", "raise", "log"):
-        raise ValueError(f"`on_divergence` must be 'warn', 'raise' or 'log', got {on_divergence!r}.")
-    if record is not None:
-        trace_format(record, "record")
-    if reference is not None:
-        trace_format(reference, "reference")
-    if record is not None and reference is not None and Path(record).resolve() == Path(reference).resolve():
-        raise ValueError(
-            f"`record` and `reference` are the same file, {os.fspath(record)!r}: recording would overwrite the"
-            " reference before it is read. Record to another path."
-        )
-    if audit_loss is not None and not callable(audit_loss):
-        raise TypeError(f"`audit_loss` must be a callable fn(model, batch) -> loss, got {audit_loss!r}.")
 
 
 class Monitoring:
@@ -88,7 +64,26 @@ class Monitoring:
         audit_tolerance: float | None = None,
         audit_loss: Callable[[Any, Any], Any] | None = None,
     ) -> None:
-        _check_settings(logging_interval, prefix, record, reference, rtol, atol, on_divergence, audit_loss)
+        # each setting out of range: an error naming the argument, its value and the fix
+        positive_int(logging_interval, "logging_interval", "optimizer steps", "the front end's own cadence")
+        if not isinstance(prefix, str):
+            raise TypeError(f"`prefix` must be a str such as 'denominator', got {type(prefix).__name__}: {prefix!r}.")
+        for name, tolerance in (("rtol", rtol), ("atol", atol)):
+            if isinstance(tolerance, bool) or not isinstance(tolerance, (int, float)) or not tolerance >= 0:
+                raise ValueError(f"`{name}` must be a number >= 0, got {tolerance!r}.")
+        if on_divergence not in ("warn", "raise", "log"):
+            raise ValueError(f"`on_divergence` must be 'warn', 'raise' or 'log', got {on_divergence!r}.")
+        if record is not None:
+            trace_format(record, "record")
+        if reference is not None:
+            trace_format(reference, "reference")
+        if record is not None and reference is not None and Path(record).resolve() == Path(reference).resolve():
+            raise ValueError(
+                f"`record` and `reference` are the same file, {os.fspath(record)!r}: recording would overwrite the"
+                " reference before it is read. Record to another path."
+            )
+        if audit_loss is not None and not callable(audit_loss):
+            raise TypeError(f"`audit_loss` must be a callable fn(model, batch) -> loss, got {audit_loss!r}.")
         self.count_fn: CountFn | None = checked_count_fn(count_fn)
         self.loss_reduction: LossReduction | None = checked_loss_reduction(loss_reduction)
         self.prefix = f"{prefix}/" if prefix and not prefix.endswith("/") else prefix
@@ -156,7 +151,10 @@ class Monitoring:
             metrics["reference_divergence"] = float(divergence is not None)
             log_now = log_now or divergence is not None
         if divergence is not None and self.first_divergence is None:
-            self._diverged(divergence)
+            self.first_divergence = divergence
+            if self.on_divergence == "raise":
+                raise DivergenceError(divergence.message)
+            (rank_zero_warn if self.on_divergence == "warn" else rank_zero_info)(divergence.message)
         return {f"{self.prefix}{name}": value for name, value in metrics.items()}, log_now
 
     def _compare(self, step: int, row: dict[str, TraceValue]) -> Divergence | None:
@@ -171,12 +169,6 @@ class Monitoring:
             self._warned_past_reference = True
             rank_zero_warn(f"{missing} Such steps are not compared.")
         return None
-
-    def _diverged(self, divergence: Divergence) -> None:
-        self.first_divergence = divergence
-        if self.on_divergence == "raise":
-            raise DivergenceError(divergence.message)
-        (rank_zero_warn if self.on_divergence == "warn" else rank_zero_info)(divergence.message)
 
     def close(self) -> None:
         """Close the trace file (the writer also closes it when the monitor goes)."""
@@ -245,12 +237,20 @@ def _count_metrics(stats: WindowStats, elapsed: float, prefix: str) -> dict[str,
     return {f"{prefix}{key}": value for key, value in metrics.items()}
 
 
+def objective(
+    loss: Callable[[Any, Any], Any], count_fn: Any, reduction: LossReduction, context: Any, settings: Settings | None
+) -> Objective:
+    """What the audit replays; ``settings``: those of a token-mean front end (None: a plain strategy or loop)."""
+    if settings is None:
+        return Objective(loss, count_fn, reduction, False, context)
+    lookahead, deferred = settings.mode == "lookahead", settings.mode == "deferred"  # aux loss; `num_items` counts
+    return Objective(loss, count_fn, reduction, lookahead, context, settings.terms, deferred, settings.check_count)
+
+
 def replayed(audit_loss: Callable[[Any, Any], Any]) -> Callable[[Any, Any], Any]:
     """``audit_loss(module, batch)`` as the audit replays a recorded micro-batch: the step's output."""
     return lambda module, micro_batch: audit_loss(module, micro_batch.batch)
 
 
 def audited(stats: WindowStats, audit: Audit | None) -> WindowStats:
-    from dataclasses import replace
-
     return stats if audit is None else replace(stats, audit_error=audit.error)

@@ -46,18 +46,14 @@ def trace_format(path: str | os.PathLike[str], argument: str) -> str:
     return TRACE_FORMATS[suffix]
 
 
-_BOM = "\ufeff"
-_SHOWN_CHARS = 40
-"""How much of a bad value an error message quotes: enough to recognise it, not a binary line."""
-
-
 def _malformed(path: Path, line: int, problem: str) -> ValueError:
     return ValueError(f"Malformed trace {str(path)!r}, line {line}: {problem}")
 
 
 def _shown(raw: object) -> str:
+    """A bad value as an error message quotes it: enough to recognise it, not a binary line."""
     text = repr(raw)
-    return text if len(text) <= _SHOWN_CHARS else f"{text[:_SHOWN_CHARS]}... ({len(text)} characters)"
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
 
 
 def _number(raw: object, path: Path, line: int, column: str) -> TraceValue:
@@ -105,8 +101,8 @@ def _text_lines(path: Path, file: IO[bytes], writer: str) -> Iterator[str]:
                 f"byte {raw[error.start]:#04x} at column {error.start + 1} is not UTF-8. A trace is the UTF-8 text"
                 f" `{writer}(record=...)` writes: is this a binary file, or text saved as Latin-1?",
             ) from None
-        if line_number == 1 and text.startswith(_BOM):
-            text = text[1:]  # spreadsheet programs write one ("CSV UTF-8"); it is not part of the first column's name
+        if line_number == 1 and text.startswith("\ufeff"):
+            text = text[1:]  # a BOM: spreadsheet programs write one ("CSV UTF-8"); it is not part of the first name
         if "\x00" in text:
             raise _malformed(path, line_number, "a NUL byte: this is a binary file, not a trace.")
         yield text
@@ -123,8 +119,7 @@ def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str], writer: str) ->
         repeated = sorted(column for column in REQUIRED_COLUMNS if header.count(column) > 1)
         if repeated:
             raise _malformed(path, reader.line_num, f"the header names the columns {repeated} more than once.")
-        positions = [header.index(column) for column in REQUIRED_COLUMNS]
-        optional = [header.index(column) if column in header else None for column in extra]
+        positions = [header.index(column) if column in header else None for column in (*REQUIRED_COLUMNS, *extra)]
         for row in reader:
             if not row:
                 continue  # a blank line
@@ -132,8 +127,7 @@ def _csv_rows(path: Path, file: IO[bytes], extra: Sequence[str], writer: str) ->
                 raise _malformed(
                     path, reader.line_num, f"the row does not have the {len(header)} fields of the header {header}."
                 )
-            cells = [row[position] for position in positions]
-            yield reader.line_num, cells + ["" if position is None else row[position] for position in optional]
+            yield reader.line_num, ["" if position is None else row[position] for position in positions]
     except csv.Error as error:
         raise _malformed(path, reader.line_num, f"not CSV ({error}).") from None
 
@@ -152,7 +146,7 @@ def _jsonl_rows(path: Path, file: IO[bytes], extra: Sequence[str], writer: str) 
         if not isinstance(record, dict):
             raise _malformed(path, line_number, f"expected one JSON object per line, got {type(record).__name__}.")
         _check_columns(path, list(record), writer, line_number)
-        yield line_number, [record[column] for column in REQUIRED_COLUMNS] + [record.get(column) for column in extra]
+        yield line_number, [record.get(column) for column in (*REQUIRED_COLUMNS, *extra)]
 
 
 def _check_columns(path: Path, columns: list[str], writer: str, line: int | None = None) -> None:
@@ -191,13 +185,13 @@ def read_trace(
     path = Path(path)
     fmt = _readable_format(path, argument, writer)
     trace: dict[int, TraceRow] = {}
-    previous: int | None = None
+    previous = -1  # no step yet: steps are >= 0
     with path.open("rb") as file:
         rows = _csv_rows(path, file, extra, writer) if fmt == "csv" else _jsonl_rows(path, file, extra, writer)
         for line, (raw_step, *raw_values) in rows:
             step = _step(raw_step, path, line)
             # Steps increase, so the previous step is the largest so far: one comparison per row, never max(trace).
-            if previous is not None and step <= previous:
+            if step <= previous:
                 raise _malformed(
                     path,
                     line,

@@ -16,13 +16,13 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from token_mean import _lightning
-from token_mean._audit import Objective, Recorded
+from token_mean._audit import Recorded
 from token_mean._counts import count_valid_labels
 from token_mean._exit import destroy_process_group_at_exit
 from token_mean._fingerprint import grad_norm
 from token_mean._layout import World, shared_world
 from token_mean._measure import MeasuredWindow
-from token_mean._monitor import Monitoring, audited, replayed
+from token_mean._monitor import Monitoring, audited, objective, replayed
 from token_mean._settings import LossReduction
 from token_mean.results import WindowStats
 from token_mean.strategy import TokenMeanStrategy
@@ -103,20 +103,11 @@ class DenominatorMonitor(Monitoring, Callback):
             if world.distributed or trainer.world_size > 1:
                 destroy_process_group_at_exit()  # the measurement's collectives run on a group a plain strategy keeps
             self._world = world
-        aux = self._strategy is not None and self._strategy.mode == "lookahead"  # the strategy's objective has it
         loss = _training_step_output if self.audit_loss is None else replayed(self.audit_loss)
+        context = trainer.strategy.precision_plugin.train_step_context
         settings = self._strategy.settings if self._strategy is not None else None
-        objective = Objective(
-            loss,
-            self._count_fn,
-            self._reduction,
-            aux,
-            trainer.strategy.precision_plugin.train_step_context,
-            settings.terms if settings is not None else (),
-            num_items=settings is not None and settings.mode == "deferred",
-            check_count=settings is None or settings.check_count,
-        )
-        self._auditor.prepare(pl_module, objective, world, str(trainer.precision))  # sharded after `setup`
+        audited_objective = objective(loss, self._count_fn, self._reduction, context, settings)
+        self._auditor.prepare(pl_module, audited_objective, world, str(trainer.precision))  # sharded after `setup`
         self._auditor.start(trainer.global_step)
         self._published, self._warned = None, False
         self._start_run(trainer.is_global_zero, trainer.global_step, trainer.estimated_stepping_batches)
@@ -167,18 +158,16 @@ class DenominatorMonitor(Monitoring, Callback):
         step, gradient, elapsed = self._step, self._grad_norm, time.perf_counter() - self._started_at
         stats, naive_loss = self._window_stats(step)
         self._new_window()
-        stats = audited(stats, self._auditor.window_end(step)) if stats is not None else None
         if stats is None:
             return
+        stats = audited(stats, self._auditor.window_end(step))
         _lightning.show_on_progress_bar(trainer, progress_bar(stats))
         device = trainer.strategy.root_device
         metrics, log_now = self._window(step, stats, elapsed, gradient, pl_module, device, naive_loss)
-        interval = self.logging_interval
-        due = (
-            _lightning.should_update_logs(trainer)
-            if interval is None
-            else ((step + 1) % interval == 0 or trainer.should_stop)
-        )
+        if self.logging_interval is None:
+            due = _lightning.should_update_logs(trainer)
+        else:
+            due = (step + 1) % self.logging_interval == 0 or trainer.should_stop
         if (due or log_now) and trainer.is_global_zero:
             for logger in trainer.loggers:
                 logger.log_metrics(metrics, step=step)
@@ -187,9 +176,7 @@ class DenominatorMonitor(Monitoring, Callback):
         """The ended window, the strategy's (None, warned once, if unpublished) or the measured one with DDP's loss."""
         if self._strategy is None:
             window, self._measured = self._measured, None
-            if window is None:
-                return None, None
-            return window.end()
+            return (None, None) if window is None else window.end()
         stats = self._strategy.last_window
         if stats is not None and stats is not self._published:
             self._published = stats

@@ -8,11 +8,10 @@ from typing import Any
 from torch import nn
 
 from token_mean import _lightning
-from token_mean._audit import Objective
 from token_mean._counts import count_valid_labels
 from token_mean._fingerprint import grad_norm
 from token_mean._layout import World, shared_world
-from token_mean._monitor import Monitoring, audited, replayed
+from token_mean._monitor import Monitoring, audited, objective, replayed
 from token_mean._settings import Settings
 from token_mean.results import Audit, WindowStats
 
@@ -72,20 +71,10 @@ class FabricMonitor(Monitoring):
             world = shared_world(strategy, modules[0])
         count_fn = settings.count_fn if settings is not None else self.count_fn or count_valid_labels
         reduction = settings.loss_reduction if settings is not None else self.loss_reduction or "mean"
-        aux = settings is not None and settings.mode == "lookahead"
         self._module = modules[1]
         loss = replayed(self.audit_loss)  # type: ignore[arg-type]  # required with `audit_every`
-        objective = Objective(
-            loss,
-            count_fn,
-            reduction,
-            aux,
-            strategy.precision.forward_context,
-            settings.terms if settings is not None else (),
-            num_items=settings is not None and settings.mode == "deferred",
-            check_count=settings is None or settings.check_count,
-        )
-        self._auditor.prepare(self._module, objective, world, None, getattr(strategy, "device_mesh", None))
+        audited_objective = objective(loss, count_fn, reduction, strategy.precision.forward_context, settings)
+        self._auditor.prepare(self._module, audited_objective, world, None, getattr(strategy, "device_mesh", None))
         self._auditor.start(0)
 
     def resume_at(self, step: int) -> None:

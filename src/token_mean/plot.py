@@ -56,13 +56,7 @@ def compare_traces(run: dict[int, TraceRow], reference: dict[int, TraceRow], rto
     comparison = TraceComparison("the reference", rtol, atol, rows=reference)  # the monitor's own comparison
     first = next((found for step in steps if (found := comparison.compare(step, run[step])) is not None), None)
     divergent_step, quantity = (None, None) if first is None else (first.step, first.quantity)
-    return Comparison(
-        steps=steps,
-        divergent_step=divergent_step,
-        quantity=quantity,
-        only_in_run=len(run) - len(steps),
-        only_in_reference=len(reference) - len(steps),
-    )
+    return Comparison(steps, divergent_step, quantity, len(run) - len(steps), len(reference) - len(steps))
 
 
 def _labels(paths: Sequence[Path]) -> list[str]:
