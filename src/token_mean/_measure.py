@@ -19,12 +19,6 @@ from token_mean._layout import World
 from token_mean.errors import DenominatorError
 from token_mean.results import WindowStats
 
-_FAILED = (
-    "`count_fn` failed, or returned something that is not a number, or a negative, NaN or infinite count",
-    "make `count_fn(batch)` return an int, a float or a one-element tensor, a finite number of valid items or sum of"
-    " non-negative weights, for every batch.",
-)
-
 
 class MeasuredWindow:
     """One window's micro-batches from batch ``start`` on, measured on this rank for optimizer ``step`` (``mean``:
@@ -97,7 +91,11 @@ class MeasuredWindow:
             f"the accumulation window of optimizer step {self.step} (measured by DenominatorMonitor, batches"
             f" {self.start}..{self.start + self._length - 1})"
         )
-        error = DenominatorError(f"token_mean: {who}: {_FAILED[0]}, in {where}.\n  Fix: {_FAILED[1]}")
+        error = DenominatorError(
+            f"token_mean: {who}: `count_fn` failed, or returned something that is not a number, or a negative, NaN or"
+            f" infinite count, in {where}.\n  Fix: make `count_fn(batch)` return an int, a float or a one-element"
+            " tensor, a finite number of valid items or sum of non-negative weights, for every batch."
+        )
         if self._failed:
             error.add_note(f"On rank {self.world.rank}: {self._failed}")
         raise error

@@ -13,8 +13,6 @@ from typing_extensions import override
 
 from token_mean._window import in_filler_batch
 
-_STATES = ("loss_sum", "count")
-
 
 class TokenMeanLoss(Metric):
     """The mean loss over every valid item seen: Σ loss sums / Σ counts over batches and ranks.
@@ -91,7 +89,7 @@ class TokenMeanLoss(Metric):
     def _apply(self, fn: Callable[[Tensor], Tensor], exclude_state: Sequence[str] = ()) -> Module:
         # `Module.to(dtype)` reaches the states (torchmetrics guards only .half()/...): keep them float64, exact.
         module = super()._apply(fn, exclude_state)
-        for name in _STATES:
+        for name in ("loss_sum", "count"):
             default = self._defaults.get(name)
             if isinstance(default, Tensor):  # absent while Metric.__init__ runs
                 setattr(self, name, getattr(self, name).to(torch.float64))
