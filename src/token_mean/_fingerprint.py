@@ -34,14 +34,11 @@ def global_norm(tensors: list[Tensor], device: torch.device) -> Tensor | None:
     """
     if not tensors:
         return None
-    local, shares = _local_shares(tensors)
-    if shares is None:
+    by_share = _local_shares(tensors)
+    if by_share is None:
         return torch.stack(_squares(tensors, device)).sum().sqrt()
     # A sharded tensor's square sum is the sum of its shards' over the ranks; a shard held by r ranks weighs 1/r on
     # each, so one SUM all-reduce over the world adds every distinct shard once.
-    by_share: dict[float, list[Tensor]] = {}
-    for tensor, share in zip(local, shares, strict=True):
-        by_share.setdefault(share, []).append(tensor)
     total = torch.stack([torch.stack(_squares(group, device)).sum() * share for share, group in by_share.items()]).sum()
     dist.all_reduce(total)
     return total.sqrt()
@@ -62,14 +59,14 @@ def _squares(tensors: list[Tensor], device: torch.device) -> list[Tensor]:
     return squares
 
 
-def _local_shares(tensors: list[Tensor]) -> tuple[list[Tensor], list[float] | None]:
-    """Each tensor as this rank holds it and its square sum's weight in a SUM over the world (None: no DTensor)."""
+def _local_shares(tensors: list[Tensor]) -> dict[float, list[Tensor]] | None:
+    """The tensors as this rank holds them, by their square sum's weight in a SUM over the world (None: no DTensor)."""
     from torch.distributed.tensor import DTensor
 
     if not any(isinstance(tensor, DTensor) for tensor in tensors):
-        return tensors, None
+        return None
     world = dist.get_world_size()
-    local, shares = [], []
+    by_share: dict[float, list[Tensor]] = {}
     for tensor in tensors:
         shards = 1
         if isinstance(tensor, DTensor):
@@ -77,9 +74,8 @@ def _local_shares(tensors: list[Tensor]) -> tuple[list[Tensor], list[float] | No
             sharded = [dim for dim, placement in enumerate(tensor.placements) if not placement.is_replicate()]
             shards = math.prod(tensor.device_mesh.size(dim) for dim in sharded)
             tensor = tensor.to_local()
-        local.append(tensor)
-        shares.append(shards / world)
-    return local, shares
+        by_share.setdefault(shards / world, []).append(tensor)
+    return by_share
 
 
 def _norm_dtype(dtype: torch.dtype) -> torch.dtype | None:
