@@ -19,6 +19,7 @@ without gradient, and one ``all_gather_object``.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -100,23 +101,6 @@ class Cut:
     what: str
 
 
-@dataclass(frozen=True)
-class Judged:
-    decisive: bool
-    mismatch: float
-
-
-@dataclass(frozen=True)
-class Tried:
-    """A cut replayed: its key (:data:`ROWS` or the labels'), the three batches, their losses and reported counts."""
-
-    key: str
-    parts: tuple[Any, ...]
-    losses: list[float]
-    items: list[Any]
-    what: str
-
-
 class _ReplayFailed(Exception):
     pass
 
@@ -162,10 +146,8 @@ class Replays:
             return
         while self.runs < forwards:
             self.runs += 1
-            try:
+            with contextlib.suppress(Exception):  # its failure, if any, was recorded where the checked replay raised
                 self.replay(self.samples[0].batch, 0)
-            except Exception:  # its failure, if any, was recorded where the checked replay raised
-                continue
 
 
 def forwards_per_sample(terms: Sequence[Term]) -> int:
@@ -214,14 +196,14 @@ def labels_cut(batch: Any, key: str, index: int = 0) -> Cut | None:
     labels = batch.get(key) if isinstance(batch, Mapping) else None
     if not isinstance(labels, Tensor) or labels.dim() == 0:
         return None
-    positions = (labels != IGNORE_INDEX).flatten().nonzero().squeeze(1)  # after the window: the host read is free
+    valid = labels != IGNORE_INDEX
+    positions = valid.flatten().nonzero().squeeze(1)  # after the window: the host read is free
     if positions.numel() < 2:
         return None
     chosen = torch.randperm(positions.numel(), generator=_generator(index))[: _share(positions.numel())]
     kept = torch.zeros(labels.numel(), dtype=torch.bool, device=labels.device)
     kept[positions[chosen.to(positions.device)]] = True
     kept = kept.view_as(labels)
-    valid = labels != IGNORE_INDEX
     what = f"{int(chosen.numel())} of the {positions.numel()} valid `{key}` drawn at random"
     return Cut(
         _with(batch, key, labels.masked_fill(~kept, IGNORE_INDEX)),
@@ -319,8 +301,14 @@ class _Judging:
         loss = self.whole(index)[0]
         return TOLERANCE.get(loss.dtype if isinstance(loss, Tensor) else torch.float32, 2e-5)
 
-    def tried(self, index: int, key: str) -> Tried | None:
-        """The cut ``key`` of micro-batch ``index``, replayed (each half once, whatever the terms)."""
+    def judged(self, index: int, key: str, count_fn: Any, reduction: str, tolerance: float) -> tuple[float, str] | None:
+        """The cut ``key`` of micro-batch ``index``, replayed (each half once, whatever the terms) and judged with
+        ``count_fn`` and ``reduction``: (its mismatch, what S is), or None where it decides nothing. A rows cut draws
+        other random numbers than the whole (dropout's masks follow the batch's shape): it is not trusted where the
+        micro-batch's replays draw from the global generators. A labels cut keeps every input."""
+        whole = self.whole(index)  # replayed first: the draws are known
+        if key == ROWS and index in self.replays.drew:
+            return None
         cut = self.replays.cut(index, key)
         if cut is None:
             return None
@@ -328,15 +316,12 @@ class _Judging:
             term_of(self.replays.output(index, (key or "rows", half), part), self.term.name)
             for half, part in (("S", cut.keep), ("R", cut.rest))
         ]
-        whole = self.whole(index)
         outputs = [whole, *halves]
         parts = (self.replays.samples[index].batch, cut.keep, cut.rest)
-        return Tried(key, parts, [_float(loss) for loss, _ in outputs], [items for _, items in outputs], cut.what)
-
-    def judged(self, tried: Tried, count_fn: Any, reduction: str, tolerance: float) -> Judged:
         own = self.num_items and count_fn is self.term.count_fn  # deferred: the step's reported count is its count
-        counts = [_count(count_fn, part, items, own) for part, items in zip(tried.parts, tried.items, strict=True)]
-        return judge(counts, tried.losses, reduction, tolerance)
+        counts = [_count(count_fn, part, items, own) for part, (_, items) in zip(parts, outputs, strict=True)]
+        mismatch = judge(counts, [_float(loss) for loss, _ in outputs], reduction, tolerance)
+        return None if mismatch is None else (mismatch, cut.what)
 
     def sample(self, index: int) -> Verdict | None:
         """Micro-batch ``index``: failed, random, passed, or None (no cut decided)."""
@@ -354,21 +339,11 @@ class _Judging:
             what = "trained on" if sample.trained is not None else "gave the first time"
             return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
         for key in cuts:
-            tried = self.tried(index, key) if self._trusted(index, key) else None
-            judged = None if tried is None else self.judged(tried, count_fn, reduction, tolerance)
-            if tried is None or judged is None or not judged.decisive:
-                continue
-            outcome: Outcome = "passed" if judged.mismatch <= tolerance else "failed"
-            return Verdict(outcome, index, judged.mismatch, tolerance, tried.what)
+            judged = self.judged(index, key, count_fn, reduction, tolerance)
+            if judged is not None:
+                mismatch, what = judged
+                return Verdict("passed" if mismatch <= tolerance else "failed", index, mismatch, tolerance, what)
         return None
-
-    def _trusted(self, index: int, key: str) -> bool:
-        """A rows cut draws other random numbers than the whole (dropout's masks follow the batch's shape): not
-        where the micro-batch's replays draw from the global generators. A labels cut keeps every input."""
-        if key != ROWS:
-            return True
-        self.whole(index)  # replayed: the draws are known
-        return index not in self.replays.drew
 
     def fixes(self, failed: int, others: Sequence[Term]) -> tuple[Fix, ...]:
         """The counts and reductions that satisfy the identity on every cut that decides, first of micro-batch
@@ -396,35 +371,32 @@ class _Judging:
                 continue
             tolerance = self.tolerance(index)
             for key in self.cuts(index, count_fn):
-                tried = self.tried(index, key) if self._trusted(index, key) else None
-                judged = None if tried is None else self.judged(tried, count_fn, reduction, tolerance)
-                if judged is None or not judged.decisive:
+                judged = self.judged(index, key, count_fn, reduction, tolerance)
+                if judged is None:
                     continue
-                if judged.mismatch > tolerance:
+                if judged[0] > tolerance:
                     return 0
                 decided += 1
         return decided
 
 
-def judge(counts: Sequence[float], losses: Sequence[float], reduction: str, tolerance: float) -> Judged:
+def judge(counts: Sequence[float], losses: Sequence[float], reduction: str, tolerance: float) -> float | None:
     """|c(S)·ℓ(S) + c(R)·ℓ(R) − c·ℓ| relative to the terms (sum: without the counts); a half without items adds
-    nothing. Not decisive where the loss does not tell the halves from the whole, or where a half the count finds
-    empty leaves the identity holding (it might hold because the loss never sees that half either)."""
+    nothing. None, not decisive, where the loss does not tell the halves from the whole, or where a half the count
+    finds empty leaves the identity holding (it might hold because the loss never sees that half either)."""
     whole, keep, rest = losses
-    if _close(keep, whole, tolerance) and _close(rest, whole, tolerance):
-        return Judged(False, 0.0)
+    if counts[0] <= 0 or (_close(keep, whole, tolerance) and _close(rest, whole, tolerance)):
+        return None
     terms = [
         (count if reduction == "mean" else 1.0) * loss if count > 0 else 0.0
         for count, loss in zip(counts, losses, strict=True)
     ]
-    if counts[0] <= 0:
-        return Judged(False, 0.0)
     if not all(math.isfinite(t) for t in terms):
-        return Judged(True, math.inf)
+        return math.inf
     scale = sum(abs(t) for t in terms)
     mismatch = abs(terms[1] + terms[2] - terms[0]) / scale if scale > 0 else 0.0
     empty_half = counts[1] <= 0 or counts[2] <= 0
-    return Judged(not (empty_half and mismatch <= tolerance), mismatch)
+    return None if empty_half and mismatch <= tolerance else mismatch
 
 
 _NAMED = (
@@ -446,7 +418,7 @@ def _float(loss: Any) -> float:
 
 
 def _value(loss: Any) -> str:
-    return "no loss" if not isinstance(loss, Tensor) else f"{float(loss.detach().double()):.6g}"
+    return "no loss" if not isinstance(loss, Tensor) else f"{_float(loss):.6g}"
 
 
 def _close(a: float, b: float, tolerance: float) -> bool:
@@ -518,15 +490,12 @@ def decide(
     for term, found in zip(terms, failed, strict=True):
         if found is not None:
             return largest, _failure(term, *found, where, step, swap), []
-    warnings = []
     for outcome in ("random", "error"):
         for t, term in enumerate(terms):
             found = _first(gathered, t, outcome)
             if found is not None:
-                warnings.append(_undecided(term, *found, where, step))
-                break
-        if warnings:
-            return largest, None, warnings
+                return largest, None, [_undecided(term, *found, where, step)]
+    warnings = []
     for t, (name, count_fn, _) in enumerate(terms):
         if all(verdicts[t].outcome == "undecided" for verdicts in gathered) and labels_key(count_fn, {}) is not None:
             warnings.append(
