@@ -125,14 +125,9 @@ def trained_losses(output: Any, names: Sequence[str]) -> Any:
     return {"loss": loss.detach()} if isinstance(loss, Tensor) else None
 
 
-def audited_parameters(module: nn.Module) -> list[tuple[str, nn.Parameter]]:
-    """The parameters whose gradient is compared: every trainable parameter of the module, once (tied ones too)."""
-    return [(name, p) for name, p in module.named_parameters() if p.requires_grad]
-
-
 def refusal(module: nn.Module, mesh: Any = None) -> str | None:
     """Why the replay cannot audit ``module`` exactly, or None; ``mesh``: the run's device mesh, if it has one."""
-    if _torch.is_sharded(module) and "data_parallel" not in _dimension_names(mesh):
+    if _torch.is_sharded(module) and "data_parallel" not in (getattr(mesh, "mesh_dim_names", None) or ()):
         return (
             "its parameters are sharded (FSDP2 or tensor parallelism) and the run has no device mesh with a"
             " 'data_parallel' dimension to say which ranks' items add up: run it under `ModelParallelStrategy`"
@@ -145,10 +140,6 @@ def refusal(module: nn.Module, mesh: Any = None) -> str | None:
     return None
 
 
-def _dimension_names(mesh: Any) -> tuple[str, ...]:
-    return tuple(getattr(mesh, "mesh_dim_names", None) or ())
-
-
 def objective_error(
     module: nn.Module, micro_batches: Sequence[Recorded], objective: Objective, world: World
 ) -> Replayed:
@@ -159,7 +150,8 @@ def objective_error(
     Raises:
         AuditError: a micro-batch of the window could not be counted, on any rank.
     """
-    parameters = audited_parameters(module)
+    # every trainable parameter, once (tied ones too)
+    parameters = [(name, p) for name, p in module.named_parameters() if p.requires_grad]
     device, group, distributed = world.device, world.group, world.distributed
     terms = objective.terms or (Term("", objective.count_fn, objective.loss_reduction),)
     read = [
@@ -182,11 +174,10 @@ def objective_error(
     if not any(global_counts):
         return Replayed(None, least_precise(dtypes))
     window = list(zip(micro_batches, counts, strict=True))
-    weigh = _weigher(objective, terms, global_counts, global_real)
     sharded = _torch.is_sharded(module)
     parameters, used = _held_and_used(module, parameters) if sharded else (parameters, [p for _, p in parameters])
     buffers, expected = _flat_buffers(parameters, used)  # the views see the all-reduce below: they share storage
-    step = _stepper(module, objective, weigh, dtypes)
+    step = _stepper(module, objective, terms, global_counts, global_real, dtypes)
     after = capture_rng()
     try:
         with _torch.metrics_kept(module):
@@ -224,18 +215,15 @@ def _flat_buffers(
 ) -> tuple[dict[_Key, Tensor], list[Tensor]]:
     """One zeroed flat buffer per dtype and device, and each parameter's replayed gradient as its part of one: the
     parameter's dtype, shaped like the local part of the tensor its forward uses."""
-    slots = [(p.dtype, leaf.device, _local(leaf).shape) for (_, p), leaf in zip(parameters, used, strict=True)]
     sizes: dict[_Key, int] = {}
-    for dtype, device, shape in slots:
-        sizes[dtype, device] = sizes.get((dtype, device), 0) + shape.numel()
+    spans = []
+    for (_, p), leaf in zip(parameters, used, strict=True):
+        key, shape = (p.dtype, leaf.device), _local(leaf).shape
+        start = sizes.get(key, 0)
+        sizes[key] = start + shape.numel()
+        spans.append((key, start, shape))
     buffers = {key: torch.zeros(size, dtype=key[0], device=key[1]) for key, size in sizes.items()}
-    offsets = dict.fromkeys(buffers, 0)
-    views = []
-    for dtype, device, shape in slots:
-        start = offsets[dtype, device]
-        offsets[dtype, device] = start + shape.numel()
-        views.append(buffers[dtype, device][start : start + shape.numel()].view(shape))
-    return buffers, views
+    return buffers, [buffers[key][start : start + shape.numel()].view(shape) for key, start, shape in spans]
 
 
 def _local(tensor: Tensor) -> Tensor:
@@ -373,45 +361,41 @@ class FirstWindowCheck:
 _observers.FIRST_WINDOW.append(FirstWindowCheck.of)
 
 
-Weigh = Callable[["Recorded", "tuple[float, ...]", "tuple[Any, Tensor | None]", "list[torch.dtype]"], "Tensor | None"]
-"""(micro-batch, its count per term, replayed (loss, aux), dtypes to append to) → what it adds to J (None: nothing)."""
-
-
-def _weigher(objective: Objective, terms: Sequence[Any], global_counts: Sequence[float], global_real: float) -> Weigh:
-    """What one replayed micro-batch adds to J: Σ_t w_t · loss_t (+ aux_m / M, the window's real micro-batches);
-    one term: the loss itself, several: the replayed mapping's term losses."""
-
-    def weigh(
-        micro_batch: Recorded, counts: tuple[float, ...], replayed: tuple[Any, Tensor | None], dtypes: list[torch.dtype]
-    ) -> Tensor | None:
-        loss, aux = replayed
-        total = None
-        for term, count, global_count in zip(terms, counts, global_counts, strict=True):
-            value = (loss.get(term.name) if isinstance(loss, Mapping) else None) if objective.terms else loss
-            part = _weighted(value if isinstance(value, Tensor) else None, count, term.reduction, global_count)
-            dtypes += [value.dtype] if isinstance(value, Tensor) else []
-            total = part if total is None else total if part is None else total + part
-        dtypes += [aux.dtype] if aux is not None else []
-        if objective.with_aux and not micro_batch.filler and aux is not None:
-            total = aux / global_real if total is None else total + aux / global_real
-        return total
-
-    return weigh
-
-
 Step = Callable[[dict[str, Tensor], "Recorded", "tuple[float, ...]"], "tuple[Any, Tensor | None]"]
 """(the module's state, a micro-batch, its count per term) → its replayed (loss, aux) and what it adds to J."""
 
 
-def _stepper(module: nn.Module, objective: Objective, weigh: Weigh, dtypes: list[torch.dtype]) -> Step:
-    """One micro-batch's replay, the forward with ``state`` under its recorded RNG state, weighed into J."""
+def _stepper(
+    module: nn.Module,
+    objective: Objective,
+    terms: Sequence[Term],
+    global_counts: Sequence[float],
+    global_real: float,
+    dtypes: list[torch.dtype],
+) -> Step:
+    """One micro-batch's replay, the forward with ``state`` under its recorded RNG state, and what it adds to J:
+    Σ_t w_t · loss_t (+ aux_m / M, the window's real micro-batches); one term: the loss itself, several: the
+    replayed mapping's term losses. The dtypes of the losses are appended to ``dtypes``."""
     replay = _Replay(module, objective.loss_fn)
 
-    def step(state: dict[str, Tensor], micro_batch: Recorded, count: tuple[float, ...]) -> tuple[Any, Tensor | None]:
+    def step(state: dict[str, Tensor], micro_batch: Recorded, counts: tuple[float, ...]) -> tuple[Any, Tensor | None]:
         restore_rng(micro_batch.rng)
         with objective.context():
-            replayed = step_losses(torch.func.functional_call(replay, state, (micro_batch,)), bool(objective.terms))
-        return replayed, weigh(micro_batch, count, replayed, dtypes)
+            loss, aux = step_losses(torch.func.functional_call(replay, state, (micro_batch,)), bool(objective.terms))
+        total = None
+        for term, count, global_count in zip(terms, counts, global_counts, strict=True):
+            value = (loss.get(term.name) if isinstance(loss, Mapping) else None) if objective.terms else loss
+            if not isinstance(value, Tensor):
+                continue
+            dtypes.append(value.dtype)
+            if count != 0:
+                part = value * ((count if term.reduction == "mean" else 1.0) / global_count)
+                total = part if total is None else total + part
+        if aux is not None:
+            dtypes.append(aux.dtype)
+            if objective.with_aux and not micro_batch.filler:
+                total = aux / global_real if total is None else total + aux / global_real
+        return (loss, aux), total
 
     return step
 
@@ -584,13 +568,6 @@ def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int)
         mesh.size(dim) for dim, placement in enumerate(layout.placements) if not placement.is_replicate()
     )
     return None if grad is None else _local(grad), part, ranks // pieces
-
-
-def _weighted(loss: Tensor | None, count: float, reduction: str, global_count: float) -> Tensor | None:
-    if loss is None or count == 0:
-        return None
-    weight = (count if reduction == "mean" else 1.0) / global_count
-    return loss * weight
 
 
 def _relative_error(
