@@ -248,8 +248,8 @@ def forward_only(
     module: nn.Module,
     fn: Callable[[nn.Module, Recorded], Any],
     micro_batch: Recorded,
-    context: Callable[[], AbstractContextManager[Any]] = nullcontext,
-    drew: list[bool] | None = None,
+    context: Callable[[], AbstractContextManager[Any]],
+    drew: list[bool],
 ) -> Any:
     """``fn(module, micro_batch)`` without gradient, under the micro-batch's recorded RNG state, on cloned buffers:
     parameters, buffers, RNG streams and ``.grad`` stay as they were (FSDP2 keeps a root it unsharded for a forward
@@ -263,8 +263,7 @@ def forward_only(
         with torch.no_grad(), context():
             return torch.func.functional_call(_Replay(module, fn), _buffer_clones(module), (micro_batch,))
     finally:
-        if drew is not None:
-            drew.append(_rng_moved(micro_batch.rng))
+        drew.append(_rng_moved(micro_batch.rng))
         restore_rng(after)
         for submodule in module.modules():
             if isinstance(submodule, FSDPModule):
@@ -272,12 +271,7 @@ def forward_only(
 
 
 def count_check(
-    module: nn.Module,
-    recorded: Sequence[Recorded],
-    objective: Objective,
-    where: str,
-    world: World,
-    step: str = "`training_step`",
+    module: nn.Module, recorded: Sequence[Recorded], objective: Objective, where: str, world: World, step: str
 ) -> tuple[float | None, str | None, list[str]]:
     """The count check (:mod:`token_mean._count_check`) of a window's ``recorded`` micro-batches, on every rank of
     ``world`` (the ranks that share N; tensor-parallel peers check the same batches): the largest relative mismatch
@@ -537,10 +531,8 @@ def _sharded_error(
         dist.all_reduce(sums)
     difference_sum, reference_sum, *dtype_ranks = sums.tolist()
     agreed = max(index for index, count in enumerate(dtype_ranks) if count > 0)
-    if difference_sum == 0:
-        return Replayed(0.0, PRECISION_ORDER[agreed])
     error = math.sqrt(difference_sum / reference_sum) if reference_sum > 0 else math.inf
-    return Replayed(error, PRECISION_ORDER[agreed])
+    return Replayed(0.0 if difference_sum == 0 else error, PRECISION_ORDER[agreed])
 
 
 def _held_part(parameter: nn.Parameter, leaf: Tensor, whole: Tensor, ranks: int) -> tuple[Tensor | None, Tensor, int]:
@@ -621,12 +613,12 @@ class Auditor:
         self._done = False  # the window's audit ran
         self._skipped_tolerance = 0.0  # what a window with nothing to compare reports
 
-    def tolerance_for(self, dtype: torch.dtype, precision: str | None = None) -> float:
-        """``audit_tolerance``, else the default for a mixed ``precision`` or for ``dtype``."""
+    def tolerance_for(self, dtype: torch.dtype) -> float:
+        """``audit_tolerance``, else the default for the run's mixed precision or for ``dtype``."""
         if self.tolerance is not None:
             return self.tolerance
-        if precision in MIXED_TOLERANCE:
-            return MIXED_TOLERANCE[precision]
+        if self._precision in MIXED_TOLERANCE:
+            return MIXED_TOLERANCE[self._precision]
         return DEFAULT_TOLERANCE.get(dtype, DEFAULT_TOLERANCE[torch.float32])
 
     def _due(self, window: int) -> bool:
@@ -660,7 +652,7 @@ class Auditor:
             )
         self._objective, self._precision, self._world = objective, precision, world
         dtype = least_precise([p.dtype for p in module.parameters()])
-        self._skipped_tolerance = self.tolerance_for(dtype, precision)
+        self._skipped_tolerance = self.tolerance_for(dtype)
 
     def start(self, first_window: int) -> None:
         """A run starts at window ``first_window`` (the optimizer steps taken before it)."""
@@ -688,7 +680,7 @@ class Auditor:
             return None
         self._done = True
         error, dtype = objective_error(module, self._recorded, self._objective, self._world)
-        tolerance = self.tolerance_for(dtype, self._precision)
+        tolerance = self.tolerance_for(dtype)
         objective = self._objective
         count_error, count_failure, warnings = (
             count_check(module, self._recorded, objective, f"optimizer step {window}", self._world, self._step)

@@ -23,7 +23,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -115,19 +115,18 @@ class Replays:
     matched: bool = False
     runs: int = 0
     drew: set[int] = field(default_factory=set)  # micro-batches whose replays drew from the global generators
-    _done: dict[tuple[Any, ...], Any] = field(default_factory=dict)
-    _cuts: dict[tuple[Any, ...], Cut | None] = field(default_factory=dict)
+    _done: dict[tuple[int, str], Any] = field(default_factory=dict)
+    _cuts: dict[tuple[int, str], Cut | None] = field(default_factory=dict)
 
-    def output(self, index: int, variant: tuple[Any, ...], batch: Any) -> Any:
-        key = (index, *variant)
+    def output(self, index: int, variant: str, batch: Any) -> Any:
+        key = (index, variant)
         if key not in self._done:
             self.runs += 1
             try:
                 self._done[key] = self.replay(batch, index)
             except Exception as error:  # the check ends in one outcome on every rank, never the run killed
                 self._done[key] = _ReplayFailed(
-                    f"replaying micro-batch {index} ({' '.join(map(str, variant))}) raised {type(error).__name__}:"
-                    f" {error}"
+                    f"replaying micro-batch {index} ({variant}) raised {type(error).__name__}: {error}"
                 )
         done = self._done[key]
         if isinstance(done, _ReplayFailed):
@@ -256,11 +255,7 @@ def term_of(output: Any, name: str | None) -> tuple[Tensor | None, Any]:
 
 
 def check(
-    replays: Replays,
-    term: Term,
-    num_items: bool,
-    batch_statistics: bool = False,
-    others: Sequence[Term] = (),
+    replays: Replays, term: Term, num_items: bool, batch_statistics: bool = False, others: Sequence[Term] = ()
 ) -> Verdict:
     """This rank's verdict on ``term`` over its window's real micro-batches: the first that breaks the identity fails
     it (naming the counts that satisfy it on every micro-batch); once every micro-batch was tried, it passed if one
@@ -270,9 +265,7 @@ def check(
     passed = False
     for index in range(len(replays.samples)):
         try:
-            verdict = judging.sample(index)
-            if verdict is not None and verdict.outcome == "failed":
-                verdict = replace(verdict, fixes=judging.fixes(index, others))
+            verdict = judging.sample(index, others)
         except _ReplayFailed as failure:
             return Verdict("error", index, what=str(failure))
         if verdict is not None and verdict.outcome != "passed":
@@ -295,7 +288,7 @@ class _Judging:
         return [] if sample.filler else plan(count_fn, sample.batch, self.batch_statistics)
 
     def whole(self, index: int) -> tuple[Tensor | None, Any]:
-        return term_of(self.replays.output(index, ("whole",), self.replays.samples[index].batch), self.term.name)
+        return term_of(self.replays.output(index, "whole", self.replays.samples[index].batch), self.term.name)
 
     def tolerance(self, index: int) -> float:
         loss = self.whole(index)[0]
@@ -313,7 +306,7 @@ class _Judging:
         if cut is None:
             return None
         halves = [
-            term_of(self.replays.output(index, (key or "rows", half), part), self.term.name)
+            term_of(self.replays.output(index, f"{key or 'rows'} {half}", part), self.term.name)
             for half, part in (("S", cut.keep), ("R", cut.rest))
         ]
         outputs = [whole, *halves]
@@ -323,8 +316,9 @@ class _Judging:
         mismatch = judge(counts, [_float(loss) for loss, _ in outputs], reduction, tolerance)
         return None if mismatch is None else (mismatch, cut.what)
 
-    def sample(self, index: int) -> Verdict | None:
-        """Micro-batch ``index``: failed, random, passed, or None (no cut decided)."""
+    def sample(self, index: int, others: Sequence[Term]) -> Verdict | None:
+        """Micro-batch ``index``: failed (with the :meth:`fixes` among ``others``), random, passed, or None (no cut
+        decided)."""
         _, count_fn, reduction = self.term
         sample = self.replays.samples[index]
         if not self.num_items and _count(count_fn, sample.batch, None, False) <= 0:
@@ -333,7 +327,7 @@ class _Judging:
         if not cuts or self.replays.cut(index, cuts[0]) is None:
             return None  # too few labels (rows) to cut: the other micro-batches decide
         loss, tolerance = self.whole(index)[0], self.tolerance(index)
-        again = sample.trained if sample.trained is not None else self.replays.output(index, ("again",), sample.batch)
+        again = sample.trained if sample.trained is not None else self.replays.output(index, "again", sample.batch)
         reference = term_of(again, self.term.name)[0]
         if not _same(loss, reference, tolerance):
             what = "trained on" if sample.trained is not None else "gave the first time"
@@ -342,7 +336,9 @@ class _Judging:
             judged = self.judged(index, key, count_fn, reduction, tolerance)
             if judged is not None:
                 mismatch, what = judged
-                return Verdict("passed" if mismatch <= tolerance else "failed", index, mismatch, tolerance, what)
+                if mismatch <= tolerance:
+                    return Verdict("passed", index, mismatch, tolerance, what)
+                return Verdict("failed", index, mismatch, tolerance, what, self.fixes(index, others))
         return None
 
     def fixes(self, failed: int, others: Sequence[Term]) -> tuple[Fix, ...]:
@@ -399,12 +395,7 @@ def judge(counts: Sequence[float], losses: Sequence[float], reduction: str, tole
     return None if empty_half and mismatch <= tolerance else mismatch
 
 
-_NAMED = (
-    _counts.count_valid_labels,
-    _counts.count_shifted_labels,
-    _counts.count_sequences,
-    _counts.count_examples,
-)
+_NAMED = (_counts.count_valid_labels, _counts.count_shifted_labels, _counts.count_sequences, _counts.count_examples)
 
 
 def _count(count_fn: Any, batch: Any, reported: Any, num_items: bool) -> float:
