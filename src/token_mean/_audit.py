@@ -13,7 +13,7 @@ SUM of six over every rank, plus the forward and backward collectives of each re
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, Literal, NamedTuple
@@ -512,21 +512,11 @@ def _sharded_error(
     """‖g − g*‖ / ‖g*‖ over the whole gradient, each rank comparing the part its ``.grad`` holds (a part several ranks
     hold counts once), with one SUM all-reduce over the default group."""
     ranks = dist.get_world_size() if distributed else 1
-    difference = torch.zeros((), dtype=torch.float64, device=device)
-    reference = torch.zeros((), dtype=torch.float64, device=device)
-    for (_, p), leaf, whole in zip(parameters, used, expected, strict=True):
-        applied, part, holders = _held_part(p, leaf, whole, ranks)
-        part64 = part.to(device, torch.float64)
-        applied64 = torch.zeros_like(part64) if applied is None else applied.detach().to(device, torch.float64)
-        difference += (applied64 - part64).square().sum() / holders
-        reference += part64.square().sum() / holders
+    held = (_held_part(p, leaf, whole, ranks) for (_, p), leaf, whole in zip(parameters, used, expected, strict=True))
+    difference, reference = _squared_sums(held, device)
     order = PRECISION_ORDER.index(least_precise(dtypes))
-    sums = torch.cat(
-        [
-            torch.stack([difference, reference]),
-            torch.eye(len(PRECISION_ORDER), dtype=torch.float64, device=device)[order],
-        ]
-    )
+    dtype_rank = torch.eye(len(PRECISION_ORDER), dtype=torch.float64, device=device)[order]
+    sums = torch.cat([torch.stack([difference, reference]), dtype_rank])
     if distributed:
         dist.all_reduce(sums)
     difference_sum, reference_sum, *dtype_ranks = sums.tolist()
@@ -566,15 +556,26 @@ def _relative_error(
     parameters: Sequence[tuple[str, nn.Parameter]], objective: Sequence[Tensor], device: torch.device
 ) -> Tensor:
     """‖g − g*‖ / ‖g*‖ on the device, in float64 (0 when both are zero, inf when g* is zero and g is not)."""
-    difference = torch.zeros((), dtype=torch.float64, device=device)
-    reference = torch.zeros((), dtype=torch.float64, device=device)
-    for (_, p), expected in zip(parameters, objective, strict=True):
-        expected64 = expected.to(device, torch.float64)
-        applied = torch.zeros_like(expected64) if p.grad is None else p.grad.detach().to(device, torch.float64)
-        difference += (applied - expected64).square().sum()
-        reference += expected64.square().sum()
+    difference, reference = _squared_sums(
+        [(p.grad, g, 1) for (_, p), g in zip(parameters, objective, strict=True)], device
+    )
     ratio = (difference / reference).sqrt()
     return torch.where(difference == 0, torch.zeros_like(ratio), ratio)
+
+
+def _squared_sums(compared: Iterable[tuple[Tensor | None, Tensor, int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Σ ‖g − g*‖² and Σ ‖g*‖² on the device, in float64, over (``.grad`` or None, g*, the ranks holding that part)."""
+    difference = torch.zeros((), dtype=torch.float64, device=device)
+    reference = torch.zeros((), dtype=torch.float64, device=device)
+    for applied, expected, holders in compared:
+        expected64 = expected.to(device, torch.float64)
+        applied64 = torch.zeros_like(expected64) if applied is None else applied.detach().to(device, torch.float64)
+        squares, norm = (applied64 - expected64).square().sum(), expected64.square().sum()
+        if holders > 1:  # a part several ranks hold counts once
+            squares, norm = squares / holders, norm / holders
+        difference += squares
+        reference += norm
+    return difference, reference
 
 
 class Auditor:
