@@ -266,6 +266,11 @@ def check(
     for index in range(len(replays.samples)):
         try:
             verdict = judging.sample(index, others)
+            if verdict is not None and verdict.outcome == "failed":
+                # a replay that repeats its micro-batch by chance (a few tokens dropped alike) proves nothing where
+                # another does not: randomness the replay cannot repeat anywhere makes a failed cut untrustworthy
+                others_first = (i for i in range(len(replays.samples)) if i != index)
+                verdict = next(filter(None, map(judging.unrepeatable, others_first)), verdict)
         except _ReplayFailed as failure:
             return Verdict("error", index, what=str(failure))
         if verdict is not None and verdict.outcome != "passed":
@@ -320,18 +325,13 @@ class _Judging:
         """Micro-batch ``index``: failed (with the :meth:`fixes` among ``others``), random, passed, or None (no cut
         decided)."""
         _, count_fn, reduction = self.term
-        sample = self.replays.samples[index]
-        if not self.num_items and _count(count_fn, sample.batch, None, False) <= 0:
-            return None  # no item: its loss is 0/0, and nothing to cut
-        cuts = self.cuts(index, count_fn)
-        if not cuts or self.replays.cut(index, cuts[0]) is None:
-            return None  # too few labels (rows) to cut: the other micro-batches decide
-        loss, tolerance = self.whole(index)[0], self.tolerance(index)
-        again = sample.trained if sample.trained is not None else self.replays.output(index, "again", sample.batch)
-        reference = term_of(again, self.term.name)[0]
-        if not _same(loss, reference, tolerance):
-            what = "trained on" if sample.trained is not None else "gave the first time"
-            return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
+        cuts = self._checkable(index)
+        if not cuts:
+            return None
+        unrepeatable = self.unrepeatable(index)
+        if unrepeatable is not None:
+            return unrepeatable
+        tolerance = self.tolerance(index)
         for key in cuts:
             judged = self.judged(index, key, count_fn, reduction, tolerance)
             if judged is not None:
@@ -340,6 +340,29 @@ class _Judging:
                     return Verdict("passed", index, mismatch, tolerance, what)
                 return Verdict("failed", index, mismatch, tolerance, what, self.fixes(index, others))
         return None
+
+    def _checkable(self, index: int) -> list[str]:
+        """The cuts of micro-batch ``index``, none where it has no item (its loss is 0/0) or too few labels (rows)
+        to cut: the other micro-batches decide."""
+        count_fn, sample = self.term.count_fn, self.replays.samples[index]
+        if not self.num_items and not sample.filler and _count(count_fn, sample.batch, None, False) <= 0:
+            return []
+        cuts = self.cuts(index, count_fn)
+        return cuts if cuts and self.replays.cut(index, cuts[0]) is not None else []
+
+    def unrepeatable(self, index: int) -> Verdict | None:
+        """A "random" verdict where micro-batch ``index`` (one with cuts) replayed whole gives another loss than it
+        trained on (or than a first replay gave): randomness the replay cannot repeat."""
+        if not self._checkable(index):
+            return None
+        sample = self.replays.samples[index]
+        loss, tolerance = self.whole(index)[0], self.tolerance(index)
+        again = sample.trained if sample.trained is not None else self.replays.output(index, "again", sample.batch)
+        reference = term_of(again, self.term.name)[0]
+        if _same(loss, reference, tolerance):
+            return None
+        what = "trained on" if sample.trained is not None else "gave the first time"
+        return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
 
     def fixes(self, failed: int, others: Sequence[Term]) -> tuple[Fix, ...]:
         """The counts and reductions that satisfy the identity on every cut that decides, first of micro-batch
@@ -476,7 +499,8 @@ def decide(
     decided; the error every rank raises, or None; the warnings, alike on every rank)."""
     mismatches = [v.mismatch for verdicts in gathered for v in verdicts if v.outcome in ("passed", "failed")]
     largest = max(mismatches, default=None)
-    failed = [_first(gathered, t, "failed") for t in range(len(terms))]
+    # randomness the replay cannot repeat, seen on any rank, makes another rank's failed cut of the term untrustworthy
+    failed = [None if _first(gathered, t, "random") else _first(gathered, t, "failed") for t in range(len(terms))]
     swap = _swapped(terms, [None if f is None else f[1] for f in failed])
     for term, found in zip(terms, failed, strict=True):
         if found is not None:
