@@ -85,10 +85,9 @@ class Progress:
         self.world_size = world_size  # the ranks that read their own shard of the data
         self.passes = 0  # started, a resumed pass counted once
         self.windows = 0  # finished, over all passes
-        self._epoch: int | None = None  # the loader's pass counter the pass reads with (None: not a Fabric loader)
+        self.loader_epoch: int | None = None  # the Fabric loader's pass counter the pass reads with (None: no loader)
         self._stopped: int | None = None  # the last pass was left at a window boundary: the position it trains next
-        self._abandoned: int | None = None  # the last pass was left inside a window: its last batch's position
-        self._partial: Any = None  # what the front end keeps of that window's partial gradient
+        self._abandoned: tuple[int, Any] | None = None  # it was left inside a window: its last batch, partial gradient
         self._resume: tuple[int, int | None] | None = None  # (position, loader pass counter) from a checkpoint
 
     def start_pass(self) -> tuple[int, int | None]:
@@ -99,19 +98,13 @@ class Progress:
         self._resume = None
         return start, epoch
 
-    def reading(self, epoch: int | None) -> None:
-        """The pass reads a Fabric loader whose pass counter (its sampler's epoch) is ``epoch``."""
-        self._epoch = epoch
-
-    def left(self, stopped: int | None, inside: int | None, partial: Any = None) -> None:
-        """The pass ended at a window boundary before ``stopped``, or inside a window at ``inside`` with the
-        ``partial`` gradient (both None: its loader ran out)."""
-        self._stopped, self._abandoned, self._partial = stopped, inside, partial
+    def left(self, stopped: int | None, abandoned: tuple[int, Any] | None) -> None:
+        """The pass ended at a window boundary before ``stopped``, or inside one; both None: its loader ran out."""
+        self._stopped, self._abandoned = stopped, abandoned
 
     def take_abandoned(self) -> tuple[int, Any] | None:
         """Where the last pass left a window unfinished, and its partial gradient (None: it did not); asked once."""
-        abandoned = None if self._abandoned is None else (self._abandoned, self._partial)
-        self._abandoned = self._partial = None
+        abandoned, self._abandoned = self._abandoned, None
         return abandoned
 
     def state_dict(self, in_flight: int | None) -> dict[str, Any]:
@@ -119,17 +112,17 @@ class Progress:
         if in_flight is None and self._abandoned is not None:
             raise RuntimeError(
                 f"`accumulator.state_dict()` after a pass of `accumulator.batches(...)` was left inside a window (at"
-                f" batch {self._abandoned}): its partial gradient is not saved, and a resume could not continue where"
-                " the pass stopped. Leave the loop at a window boundary (`break` after `accumulator.finish()` and the"
-                " optimizer step, or before the next batch's forward), then save."
+                f" batch {self._abandoned[0]}): its partial gradient is not saved, and a resume could not continue"
+                " where the pass stopped. Leave the loop at a window boundary (`break` after `accumulator.finish()`"
+                " and the optimizer step, or before the next batch's forward), then save."
             )
         if self._resume is not None:  # loaded, and no pass since
             position, epoch = self._resume
             return self._state(self.passes, position, epoch)
         stopped = in_flight if in_flight is not None else self._stopped
         if stopped is not None:  # a resume goes on with this pass
-            return self._state(self.passes - 1, stopped, self._epoch)
-        return self._state(self.passes, 0, None if self._epoch is None else self._epoch + 1)
+            return self._state(self.passes - 1, stopped, self.loader_epoch)
+        return self._state(self.passes, 0, None if self.loader_epoch is None else self.loader_epoch + 1)
 
     def _state(self, passes: int, position: int, epoch: int | None) -> dict[str, Any]:
         return {

@@ -13,6 +13,7 @@ from collections.abc import Callable, Generator, Iterable, Iterator, Mapping, Se
 from typing import Any, Protocol
 
 from lightning.fabric.utilities import rank_zero_warn
+from lightning.fabric.utilities.data import sized_len
 from torch import Tensor
 from torch.utils.data import IterableDataset
 
@@ -164,13 +165,16 @@ class TokenMeanAccumulator:
     def finish(self) -> WindowStats:
         """After the window's last backward: its stats (one host read; a :class:`~token_mean.DenominatorError` on every
         rank if any had a problem). The gradient is then the token mean; do not step for a ``skipped`` window."""
-        micro = self._in_flight("`accumulator.finish()`")
+        micro, epoch = self._in_flight("`accumulator.finish()`"), self._passes.current
         _check_finish(micro)
-        stats = _current(self._passes).end_window()
+        if epoch is None:
+            raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
+        stats = epoch.end_window()
         if self._first_window:  # the first window ended (its count check runs here, on every rank)
             observers, self._first_window = self._first_window, []
+            replay = _replay(self._model, self._loss_fn, self._layout.world)
             for observer in observers:
-                observer.ended(_replay(self._model, self._loss_fn, self._layout.world), micro.window.where)
+                observer.ended(replay, micro.window.where)
         self._progress.windows += 1
         if self._monitor is not None:
             stats = self._monitor.finished(self._model, stats)
@@ -182,11 +186,8 @@ class TokenMeanAccumulator:
         micro = self._micro
         _check_window_boundary(micro)
         in_flight = None if micro is None else micro.position + 1
-        return {
-            "mode": self._passes.mode.state_dict(),
-            "accumulate": self._accumulate,
-            **self._progress.state_dict(in_flight),
-        }
+        mode = self._passes.mode.state_dict()
+        return {"mode": mode, "accumulate": self._accumulate, **self._progress.state_dict(in_flight)}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Resume: the next ``batches(...)`` skips what the saved pass trained (the loader must repeat its order). A
@@ -231,9 +232,9 @@ class TokenMeanAccumulator:
     def _begin(self, iterable: Iterable[Any]) -> tuple[Epoch, Callable[[Any], Any], int]:
         """A pass starts: its epoch, what moves a batch to the device, its first position (a checkpoint's)."""
         start, loader_epoch = self._progress.start_pass()
-        local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else _length(iterable)
+        local = None if isinstance(getattr(iterable, "dataset", None), IterableDataset) else sized_len(iterable)
         self._passes.agree(local, local)
-        self._progress.reading(_lightning.fabric_loader_pass(iterable, loader_epoch))
+        self._progress.loader_epoch = _lightning.fabric_loader_pass(iterable, loader_epoch)
         reader, move, exhausted = _reader(iterable, start, self._passes.mode.reads_ahead)
         self._passes.resume(exhausted)
         _refuse_partial_gradient(self._progress.take_abandoned(), self._model)
@@ -257,37 +258,6 @@ def _replay(model: Any, loss_fn: Any, world: World) -> Replay:
         raise RuntimeError("token_mean: internal error: the accumulator lost the model `fabric.setup` returned.")
     context = strategy.precision.forward_context
     return Replay(modules[1], lambda module, batch, index: loss_fn(module, batch), context, world, "the loss function")
-
-
-def _current(passes: Passes) -> Epoch:
-    if passes.current is None:
-        raise RuntimeError("token_mean: internal error: a window finished outside a pass.")
-    return passes.current
-
-
-def _check_backward_once(micro: MicroBatch) -> None:
-    if micro.backward_ran:
-        raise RuntimeError(
-            f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
-            " would count twice. Call it once per batch."
-        )
-
-
-def _check_finish(micro: MicroBatch) -> None:
-    if not micro.last or not micro.backward_ran or micro.window.ended:
-        state = "is called twice" if micro.window.ended else "comes before the window's last backward"
-        raise RuntimeError(
-            f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window,"
-            " after `accumulator.backward(loss)` of the batch where `accumulating` is False."
-        )
-
-
-def _check_window_boundary(micro: MicroBatch | None) -> None:
-    if micro is not None and not micro.window.ended:
-        raise RuntimeError(
-            "`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
-            " saved. Save after `accumulator.finish()` and the optimizer step."
-        )
 
 
 class BatchWindow:
@@ -343,12 +313,6 @@ def _batch_done(micro: MicroBatch | None, monitor: Monitor | None, model: Any) -
     """The loop asks for the next batch: the one before ran its backward (and its window's finish, if last)."""
     if micro is None:
         return
-    _check_done(micro)
-    if micro.last and monitor is not None:
-        monitor.stepped(model)
-
-
-def _check_done(micro: MicroBatch) -> None:
     if not micro.backward_ran:
         raise RuntimeError(
             f"`accumulator.backward(loss)` was not called for batch {micro.position}: every batch the accumulator"
@@ -359,6 +323,8 @@ def _check_done(micro: MicroBatch) -> None:
             f"`accumulator.finish()` was not called after the last micro-batch of the window ending at batch"
             f" {micro.position}: call it when `accumulator.accumulating` is False, before the optimizer step."
         )
+    if micro.last and monitor is not None:
+        monitor.stepped(model)
 
 
 def _check_window_left(micro: MicroBatch | None) -> None:
@@ -367,6 +333,31 @@ def _check_window_left(micro: MicroBatch | None) -> None:
             f"A window of `accumulator.windows(...)` was finished or left at batch {micro.position}, before its last"
             " micro-batch: iterate each window to its end (`for batch in window:` without `break`), then call"
             " `window.finish()`."
+        )
+
+
+def _check_backward_once(micro: MicroBatch) -> None:
+    if micro.backward_ran:
+        raise RuntimeError(
+            f"`accumulator.backward(loss)` was called twice for batch {micro.position}: its items"
+            " would count twice. Call it once per batch."
+        )
+
+
+def _check_finish(micro: MicroBatch) -> None:
+    if not micro.last or not micro.backward_ran or micro.window.ended:
+        state = "is called twice" if micro.window.ended else "comes before the window's last backward"
+        raise RuntimeError(
+            f"`accumulator.finish()` {state} (batch {micro.position}): call it once per window,"
+            " after `accumulator.backward(loss)` of the batch where `accumulating` is False."
+        )
+
+
+def _check_window_boundary(micro: MicroBatch | None) -> None:
+    if micro is not None and not micro.window.ended:
+        raise RuntimeError(
+            "`accumulator.state_dict()` in the middle of a window: its partial gradient is not"
+            " saved. Save after `accumulator.finish()` and the optimizer step."
         )
 
 
@@ -489,16 +480,16 @@ def _reader(iterable: Iterable[Any], start: int, reads_ahead: bool) -> tuple[Rea
 
 def _where_left(
     micro: MicroBatch | None, completed: bool, accumulate: int, model: Any
-) -> tuple[int | None, int | None, Gradients | None]:
+) -> tuple[int | None, tuple[int, Gradients] | None]:
     """How a pass ended (``Progress.left``): run out, left at a window boundary, or inside one (with its gradients)."""
     if micro is None or completed:
-        return None, None, None
+        return None, None
     if micro.last and micro.window.ended:  # its window was finished
-        return micro.position + 1, None, None
+        return micro.position + 1, None
     if not micro.backward_ran and micro.position % accumulate == 0:  # windows are K apart from the pass's start
-        return micro.position, None, None
+        return micro.position, None
     gradients = [grad for p in model.parameters() if (grad := p.grad) is not None]
-    return None, micro.position, [(weakref.ref(grad), _torch.version(grad)) for grad in gradients]
+    return None, (micro.position, [(weakref.ref(grad), _torch.version(grad)) for grad in gradients])
 
 
 def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any) -> None:
@@ -520,13 +511,6 @@ def _refuse_partial_gradient(abandoned: tuple[int, Gradients] | None, model: Any
 
 def _unchanged(batch: Any) -> Any:
     return batch
-
-
-def _length(iterable: Iterable[Any]) -> int | None:
-    try:
-        return len(iterable)  # type: ignore[arg-type]
-    except TypeError:
-        return None
 
 
 def _skip(iterator: Iterator[Any], count: int) -> tuple[Any | None, Iterator[Any]]:
