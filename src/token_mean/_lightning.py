@@ -93,29 +93,26 @@ def end_epoch_with(trainer: pl.Trainer, epoch: Epoch) -> None:
     trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
 
 
-def set_loader_states_to_load(trainer: pl.Trainer, states: list[dict[str, Any]]) -> None:
-    """On resume, load this rank's own loader state instead of rank 0's. Relies on: ``FitLoop.load_state_dict`` puts
-    rank 0's in ``_combined_loader_states_to_load``, which ``setup_data`` loads after the strategy's restore."""
-    trainer.fit_loop._combined_loader_states_to_load = states
+def load_own_loader_states(trainer: pl.Trainer, restore: Callable[[bool], list[dict[str, Any]] | None]) -> None:
+    """On resume, load this rank's own loader states, ``restore(whether the checkpoint holds loader states)``, instead
+    of rank 0's. Relies on: ``FitLoop.load_state_dict`` puts rank 0's in ``_combined_loader_states_to_load``, which
+    ``setup_data`` loads after the strategy's restore."""
+    own = restore(bool(trainer.fit_loop._combined_loader_states_to_load))
+    if own is not None:
+        trainer.fit_loop._combined_loader_states_to_load = own
 
 
-def has_loader_states_to_load(trainer: pl.Trainer) -> bool:
-    """Whether the checkpoint being resumed holds loader positions (a mid-epoch checkpoint of stateful loaders)."""
-    return bool(trainer.fit_loop._combined_loader_states_to_load)
-
-
-def checkpoint_loader_states(checkpoint: dict[str, Any]) -> list[dict[str, Any]] | None:
-    """The loader states (rank 0's) a checkpoint will hand the fit loop on resume, or None. Relies on: ``FitLoop``
-    keeps them at ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``; a strategy restoring after
-    setup (``ModelParallelStrategy``) returns this dict from ``load_checkpoint`` before ``restore_loops``."""
+def replace_checkpoint_loader_states(
+    checkpoint: dict[str, Any], restore: Callable[[bool], list[dict[str, Any]] | None]
+) -> None:
+    """Make the fit loop resume this rank's loaders from ``restore(whether the checkpoint holds loader states)``
+    instead of rank 0's. Relies on: ``FitLoop`` keeps them at
+    ``checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"]``; a strategy restoring after setup
+    (``ModelParallelStrategy``) returns this dict from ``load_checkpoint`` before ``restore_loops``."""
     fit_state = checkpoint.get("loops", {}).get("fit_loop", {}).get("state_dict", {})
-    states = fit_state.get("combined_loader")
-    return states if states else None
-
-
-def replace_checkpoint_loader_states(checkpoint: dict[str, Any], states: list[dict[str, Any]]) -> None:
-    """Make the fit loop resume this rank's loaders from ``states`` (see :func:`checkpoint_loader_states`)."""
-    checkpoint["loops"]["fit_loop"]["state_dict"]["combined_loader"] = states
+    own = restore(bool(fit_state.get("combined_loader")))
+    if own is not None:
+        fit_state["combined_loader"] = own
 
 
 def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:

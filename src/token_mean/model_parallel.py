@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -108,10 +109,7 @@ class TokenMeanModelParallelStrategy(TokenMeanStrategy, ModelParallelStrategy):
     def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
         # restored after setup, never through `load_optimizer_state_dict`: the loops restore from what is returned
         checkpoint = super().load_checkpoint(checkpoint_path, weights_only)
-        has_loader_states = _lightning.checkpoint_loader_states(checkpoint) is not None
-        own = self._restore_token_mean_state(checkpoint, has_loader_states)
-        if own is not None:
-            _lightning.replace_checkpoint_loader_states(checkpoint, own)
+        _lightning.replace_checkpoint_loader_states(checkpoint, partial(self._restore_token_mean_state, checkpoint))
         return checkpoint
 
 

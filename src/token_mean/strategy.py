@@ -1,15 +1,14 @@
-"""The token-mean Trainer strategies: ``TokenMeanStrategy``, the hooks both share, and ``TokenMeanDDPStrategy``.
+"""The token-mean Trainer strategies: ``TokenMeanStrategy``, the hooks they share, and ``TokenMeanDDPStrategy``.
 
-``TokenMeanStrategy`` sits in front of a Lightning parallel strategy in the method resolution order (``class
-TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy)``). Its hooks are a few lines each: Lightning's loop reads its
-training batches through the fit's :class:`~token_mean._epoch.Passes` (``_lightning.read_through``),
-``training_step`` takes the micro-batch from the current pass, ``backward`` runs what the micro-batch says and ends
-the window after its last, and ``optimizer_step`` steps after that.
+``TokenMeanStrategy`` comes before a Lightning parallel strategy in the method resolution order. Lightning's loop
+reads its training batches through the fit's :class:`~token_mean._epoch.Passes`, ``training_step`` takes the
+micro-batch from the current pass, ``backward`` ends the window after its last, and ``optimizer_step`` steps after.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from functools import partial
 from typing import Any
 
 import lightning.pytorch as pl
@@ -359,18 +358,17 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
 
     over all ranks r and micro-batches j of the window. Empty micro-batches and ranks contribute zero (never 0/0)
     and still take part in every collective; a window with N = 0 on all ranks changes nothing. The count is what the
-    objective averages over: valid target tokens (the default, ``labels != -100``), examples, a sum of weights. Each
-    window costs one all-reduce of a small record, read on the host once after its last backward; a problem on any
-    rank (a bad count, a NaN loss, ranks out of step) raises the same :class:`~token_mean.DenominatorError` on every
-    rank before the optimizer step.
+    objective averages over: valid target tokens (the default), examples, a sum of weights. Each window costs one
+    all-reduce of a small record, read on the host once after its last backward; a problem on any rank raises the
+    same :class:`~token_mean.DenominatorError` on every rank before the optimizer step.
 
     Modes (``docs/modes.md``): ``"lookahead"`` (default) counts each window's batches as the loader yields them,
-    before the window's first backward (reading one window ahead), and scales each micro-batch's loss by P·n/N, so
-    every hook and clipping sees the final gradient; ``training_step`` may return ``{"loss": ..., "aux_loss": ...}``,
-    the auxiliary term averaged over the window's real micro-batches on all ranks. ``"deferred"`` reads nothing
-    ahead: it counts each micro-batch after its forward (``count_fn``, or the ``"num_items"`` the step returns) and
-    corrects the scale inside DDP's gradient all-reduce of the window's last backward; use it when the model decides
-    the mask, the loader refills one buffer, or K batches do not fit in host memory.
+    before its first backward, and scales each micro-batch's loss by P·n/N, so every hook and clipping sees the final
+    gradient; ``training_step`` may return ``{"loss": ..., "aux_loss": ...}``, the auxiliary term averaged over the
+    window's real micro-batches. ``"deferred"`` reads nothing ahead: it counts each micro-batch after its forward
+    (``count_fn``, or the step's ``"num_items"``) and corrects the scale inside DDP's gradient all-reduce of the
+    window's last backward; use it when the model decides the mask, the loader refills one buffer, or K batches do
+    not fit in host memory.
 
     Args:
         count_fn: the valid items of one micro-batch (an int, a float or a one-element tensor) for the batch
@@ -417,11 +415,8 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     @override
     def register_strategies(cls, strategy_registry: Any) -> None:
         # Without this override the subclass would re-register DDP's own twelve names.
-        for name, start_method in (
-            ("ddp_token_mean", "popen"),
-            ("ddp_token_mean_spawn", "spawn"),
-            ("ddp_token_mean_fork", "fork"),
-        ):
+        for suffix, start_method in (("", "popen"), ("_spawn", "spawn"), ("_fork", "fork")):
+            name = f"ddp_token_mean{suffix}"
             if name not in strategy_registry:
                 strategy_registry.register(
                     name,
@@ -440,9 +435,7 @@ class TokenMeanDDPStrategy(TokenMeanStrategy, DDPStrategy):
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         # called on resume only (not for weights-only loading), on every rank, after the loops were restored
         super().load_optimizer_state_dict(checkpoint)
-        own = self._restore_token_mean_state(checkpoint, _lightning.has_loader_states_to_load(self._trainer()))
-        if own is not None:
-            _lightning.set_loader_states_to_load(self._trainer(), own)
+        _lightning.load_own_loader_states(self._trainer(), partial(self._restore_token_mean_state, checkpoint))
 
 
 TokenMeanDDPStrategy.register_strategies(StrategyRegistry)
