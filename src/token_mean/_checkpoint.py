@@ -94,9 +94,8 @@ class Progress:
         """A pass starts: its first position and the loader pass counter to restore (None: leave it)."""
         self.passes += 1
         self._stopped = None
-        start, epoch = self._resume or (0, None)
-        self._resume = None
-        return start, epoch
+        resume, self._resume = self._resume, None
+        return resume or (0, None)
 
     def left(self, stopped: int | None, abandoned: tuple[int, Any] | None) -> None:
         """The pass ended at a window boundary before ``stopped``, or inside one; both None: its loader ran out."""
@@ -116,15 +115,13 @@ class Progress:
                 " where the pass stopped. Leave the loop at a window boundary (`break` after `accumulator.finish()`"
                 " and the optimizer step, or before the next batch's forward), then save."
             )
-        if self._resume is not None:  # loaded, and no pass since
-            position, epoch = self._resume
-            return self._state(self.passes, position, epoch)
         stopped = in_flight if in_flight is not None else self._stopped
-        if stopped is not None:  # a resume goes on with this pass
-            return self._state(self.passes - 1, stopped, self.loader_epoch)
-        return self._state(self.passes, 0, None if self.loader_epoch is None else self.loader_epoch + 1)
-
-    def _state(self, passes: int, position: int, epoch: int | None) -> dict[str, Any]:
+        if self._resume is not None:  # loaded, and no pass since
+            passes, (position, epoch) = self.passes, self._resume
+        elif stopped is not None:  # a resume goes on with this pass
+            passes, position, epoch = self.passes - 1, stopped, self.loader_epoch
+        else:
+            passes, position, epoch = self.passes, 0, None if self.loader_epoch is None else self.loader_epoch + 1
         return {
             "passes": passes,
             "windows": self.windows,

@@ -29,21 +29,17 @@ WindowCheck = Callable[[], list[tuple[Problem, str]]]
 
 @dataclass(frozen=True)
 class World:
-    """The ranks that share one denominator, and where their collective tensors live. ``size`` and ``rank`` count the
-    data-parallel ranks; ``group`` reduces over them (None: the default group). ``replica_group``: ranks training on
-    this rank's very batches (tensor parallelism), which must count the same items. ``gradients_averaged``: the
-    reduction averages with no hook of ours (FSDP2), so a provisional scale must be the same on every rank.
-    ``divide_factor``: what that reduction divides the ranks' sum by, where not P (FSDP2's
-    ``set_gradient_divide_factor``)."""
+    """The ranks that share one denominator (``size`` and ``rank`` count the data-parallel ones), and where their
+    collective tensors live."""
 
     size: int
     rank: int
     device: torch.device
-    group: Any | None = None
+    group: Any | None = None  # reduces over the ranks (None: the default group)
     distributed: bool = False
-    replica_group: Any | None = None
-    gradients_averaged: bool = False
-    divide_factor: float | None = None
+    replica_group: Any | None = None  # tensor-parallel ranks training on this rank's batches: they must count alike
+    gradients_averaged: bool = False  # FSDP2 averages with no hook of ours: a provisional scale is alike on all ranks
+    divide_factor: float | None = None  # what that reduction divides the ranks' sum by, where not P
 
     @property
     def divisor(self) -> float:
@@ -57,9 +53,9 @@ class World:
 
 
 def shared_world(strategy: Any, model: Module | None) -> World:
-    """The ranks that share the denominator of ``model`` trained under ``strategy`` (a Trainer or a Fabric strategy):
-    one device trains alone, whatever default process group exists; a device mesh gives its data-parallel ranks; a
-    DDP model those of DDP's own group (counts add up where gradients do); any other model the default group's."""
+    """The ranks that share the denominator of ``model`` under a Trainer or Fabric ``strategy``: one device trains
+    alone; a device mesh gives its data-parallel ranks; a DDP model those of DDP's own group (counts add up where
+    gradients do); any other model the default group's."""
     from lightning.fabric.strategies.model_parallel import ModelParallelStrategy as FabricModelParallel
     from lightning.fabric.strategies.single_device import SingleDeviceStrategy as FabricSingleDevice
     from lightning.pytorch.strategies import ModelParallelStrategy, SingleDeviceStrategy
@@ -96,18 +92,14 @@ def _nothing(*args: Any) -> None:
 
 @dataclass(frozen=True)
 class Layout:
-    """What a parallel layout gives the modes, under any front end. ``world``: the ranks that share N.
-    ``install(mode)``: makes deferred mode's factor reach the reduction. ``after_backward(factor)``: applies D/N after
-    the window's last backward. ``checks``: run as each window closes. ``join_backward``: run when a blocking
-    collective finds others at a window's end (None: nothing to join). ``sync_flags``: the next backward's sync flags.
-    """
+    """What a parallel layout gives the modes, under any front end."""
 
-    world: World
-    install: Callable[[Any], None] = _nothing
-    after_backward: Callable[[Callable[[], Tensor]], None] = _nothing
-    checks: Sequence[WindowCheck] = ()
-    join_backward: Callable[[], None] | None = None
-    sync_flags: Callable[[], Sequence[bool]] = tuple
+    world: World  # the ranks that share N
+    install: Callable[[Any], None] = _nothing  # makes deferred mode's factor reach the reduction
+    after_backward: Callable[[Callable[[], Tensor]], None] = _nothing  # applies D/N after the window's last backward
+    checks: Sequence[WindowCheck] = ()  # run as each window closes
+    join_backward: Callable[[], None] | None = None  # run when a collective finds others at a window's end
+    sync_flags: Callable[[], Sequence[bool]] = tuple  # the next backward's gradient sync flags
 
 
 def layout(strategy: Any, model: Module) -> Layout:
@@ -125,8 +117,8 @@ def layout(strategy: Any, model: Module) -> Layout:
 
 
 def unhooked_layout(model: Module, world: World) -> Layout:
-    """The layout of a model whose reduction (FSDP2's, or none on one device) divides the ranks' sum by P or by its
-    own factor, with no hook of ours."""
+    """The layout of a model whose reduction (FSDP2's, or none on one device) divides the ranks' sum with no hook of
+    ours."""
     groups = [group for _, group in _torch.fsdp_param_groups(model)]  # found once: the walk is per module
     divisors = {divisor for _, _, divisor in _torch.fsdp_reductions(model)}
     if len(divisors) == 1 and None not in divisors:  # else refused by check_reduction before the first window
@@ -139,8 +131,7 @@ def unhooked_layout(model: Module, world: World) -> Layout:
 
 
 def _multiply_shards(model: Module, factor: Callable[[], Tensor], divisor: float) -> None:
-    """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction (P: its divisor), times P·D/N in one
-    fused kernel."""
+    """The local shards, Σ∇(loss sums)/(P·D) after the averaging reduction, times P·D/N in one fused kernel."""
     from torch.distributed.tensor import DTensor
 
     shards = [
@@ -156,9 +147,9 @@ _HOOK_STATE = "_token_mean_hook_state"
 
 
 def _install_hook(model: DistributedDataParallel, mode: Any) -> None:
-    """Register deferred's hook (on any device; Lightning's ``ddp_comm_hook`` is CUDA-only). DDP takes one hook per
-    model for good: a later deferred mode takes over its state, which holds the mode weakly (a strong reference would
-    make a cycle through the C++ reducer that ``gc`` never frees) and the backend, asked once rather than per bucket."""
+    """Register deferred's hook (Lightning's ``ddp_comm_hook`` is CUDA-only). DDP keeps one hook per model for good: a
+    later deferred mode takes over its state, which holds the mode weakly (a strong reference would make a cycle
+    through the C++ reducer that ``gc`` never frees) and whether the backend is NCCL, asked once."""
     state = getattr(model, _HOOK_STATE, None)
     if isinstance(state, list):
         state[0] = weakref.ref(mode)
@@ -201,8 +192,8 @@ def _unreduced_parameters(model: DistributedDataParallel) -> WindowCheck:
 
 def check_reduction(model: Module, data_parallel: int, owner: str) -> bool:
     """Whether any module of ``model`` is sharded; a ``ValueError`` unless every FSDP2 group reduces its gradients
-    over the ``data_parallel`` ranks and all divide their sum by one readable factor (the mean's P, or one
-    ``set_gradient_divide_factor``): the loss scale is that factor times n/N."""
+    over the ``data_parallel`` ranks and all divide their sum by one readable factor: the loss scale is that factor
+    times n/N."""
     found = list(_torch.fsdp_reductions(model))
     for module, ranks, divisor in found:
         where = f"`{module}`" if module else "the root module"
@@ -241,7 +232,7 @@ def stand_in_loss(module: Module) -> Tensor:
 
 class Outputs:
     """The outputs of ``model``'s outermost sharded modules in one step: a zero made of them stands in for a missing
-    loss and still runs every collective of FSDP2's backward."""
+    loss and runs every collective of FSDP2's backward."""
 
     def __init__(self, model: Module) -> None:
         self._kept: list[Any] = []
