@@ -273,7 +273,6 @@ def show_on_progress_bar(trainer: pl.Trainer, values: dict[str, float]) -> None:
 
 def refuse_static_graph(strategy: Any, name: str, argument: str, accumulate: int) -> None:
     """Refuse K > 1 where a DDP strategy (the Trainer's or Fabric's) wraps its model with ``static_graph=True``.
-
     Relies on: ``DDPStrategy`` keeps the arguments it hands to ``DistributedDataParallel`` in ``_ddp_kwargs``."""
     if accumulate > 1 and (getattr(strategy, "_ddp_kwargs", None) or {}).get("static_graph"):
         raise ValueError(

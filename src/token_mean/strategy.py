@@ -108,10 +108,8 @@ class TokenMeanStrategy(ParallelStrategy):
         return self._micro is not None and self._micro.is_filler
 
     def track_rank_counts(self) -> None:
-        """Publish every rank's count in ``last_window.rank_counts`` (P more floats in each window's collective).
-
-        Call it before ``fit`` starts (a callback's ``setup`` does): the records of a fit keep one length.
-        """
+        """Publish every rank's count in ``last_window.rank_counts`` (P more floats in each window's collective); call
+        it before ``fit`` starts (a callback's ``setup`` does): the records of a fit keep one length."""
         self._track_rank_counts = True
 
     def _check_kwargs(self, kwargs: Mapping[str, Any]) -> None:
@@ -188,8 +186,7 @@ class TokenMeanStrategy(ParallelStrategy):
         # the micro-batch's own share of 1/N, taken from training_step's loss: Lightning's copy divided by K is unused
         loss = super().backward(micro.backprop, optimizer, *args, **kwargs)
         micro.backward_done()
-        if micro.last:  # the window's one host read: every rank raises before the update, even if an
-            # `optimizer_step` override skips the step
+        if micro.last:  # the window's one host read: every rank raises before the update, even if it is skipped
             self._last_window = passes.current.end_window()
             if self._fitting is not None:
                 _lightning.end_epoch_with(self._fitting, passes.current)  # a stream goes on, or ends
@@ -242,7 +239,7 @@ class TokenMeanStrategy(ParallelStrategy):
 
     def _restore_token_mean_state(self, checkpoint: Mapping[str, Any], has_loader_states: bool) -> Any | None:
         """Restore the strategy's counters on resume; returns this rank's own loader states to load instead of rank
-        0's (None: leave Lightning's, e.g. for an epoch-end checkpoint, whose loaders start afresh)."""
+        0's (None: leave Lightning's)."""
         passes, state = self._passes, checkpoint.get(CHECKPOINT_KEY)
         return None if passes is None else restore(state, passes, self.world_size, self.global_rank, has_loader_states)
 
