@@ -28,7 +28,7 @@ from token_mean import _lightning
 from token_mean._checkpoint import CHECKPOINT_KEY, checkpoint_state, restore
 from token_mean._epoch import Epoch, Passes
 from token_mean._exit import destroy_process_group_at_exit
-from token_mean._layout import Layout, World, layout, stand_in_loss
+from token_mean._layout import Layout, layout, stand_in_loss
 from token_mean._modes import make_mode
 from token_mean._observers import FirstWindowObserver, Replay, first_window_observers
 from token_mean._settings import (
@@ -40,7 +40,7 @@ from token_mean._settings import (
     checked_settings,
     named_parameters,
 )
-from token_mean._window import MicroBatch, StepOutput, trained_twice_or_skipped
+from token_mean._window import MicroBatch, StepOutput, Window, trained_twice_or_skipped
 from token_mean.errors import DenominatorError
 from token_mean.results import WindowStats
 
@@ -209,7 +209,7 @@ class TokenMeanStrategy(ParallelStrategy):
         micro = _ended_window(micro)
         if self._first_window:  # the fit's first window ended (its count check runs here, on every rank)
             observers, self._first_window = self._first_window, []
-            _first_window_ended(self, observers, micro.window.where)
+            _first_window_ended(self, observers, micro.window)
         if self._last_window is not None and self._last_window.skipped:
             return None
         return super().optimizer_step(optimizer, closure_run_already(result), model, **kwargs)
@@ -254,14 +254,13 @@ def _early_end(batch_idx: int, rank: int) -> DenominatorError:
     )
 
 
-def _first_window_ended(strategy: TokenMeanStrategy, observers: list[FirstWindowObserver], where: str) -> None:
+def _first_window_ended(strategy: TokenMeanStrategy, observers: list[FirstWindowObserver], window: Window) -> None:
     """The observers of the fit's first window see it end, replaying `training_step` (its `self.log` dropped)."""
-    passes = strategy._passes
-    world = passes.mode.channel.world if passes is not None else World.single()
     context = strategy.precision_plugin.train_step_context
+    world = window.channel.world
     replay = Replay(strategy._module(), _lightning.replay_training_step, context, world, "`training_step`")
     for observer in observers:
-        observer.ended(replay, where)
+        observer.ended(replay, window.where)
 
 
 def _check_lightning_steps(trainer: pl.Trainer, micro: MicroBatch) -> None:
