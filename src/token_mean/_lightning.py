@@ -8,6 +8,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 from lightning.fabric.utilities.data import sized_len
+from lightning.pytorch.loops.fetchers import _DataFetcher
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 
 from token_mean._epoch import Epoch, Passes, length_is_a_hint
@@ -82,15 +83,14 @@ def uses_dataloader_iter(trainer: pl.Trainer) -> bool:
 
 
 def end_epoch_with(trainer: pl.Trainer, epoch: Epoch) -> None:
-    """Make Lightning's fetcher end the epoch where ``epoch`` ends (a stream's end moves window by window). Relies
-    on: for a sized loader ``_DataFetcher.done`` is ``fetched >= length`` (``len()`` at ``iter()``; no prefetch); the
-    epoch loop copies it into ``batch_progress.is_last_batch``, which the stepping rule and the loop's end read."""
+    """Tell the loop whether the batch being trained is the epoch's last, where ``epoch``'s end moved (a stream's end
+    is agreed at a window's end, after the loop fetched the window's last batch). Relies on: the epoch loop copies the
+    fetcher's ``done`` into ``batch_progress.is_last_batch`` as it fetches a batch, and reads it after the batch's
+    step (validation at the epoch's end, the loop's end)."""
     fetcher = trainer.fit_loop._data_fetcher
-    if fetcher is None or fetcher.length == epoch.length:
-        return
-    fetcher.length = epoch.length
-    fetcher.done = fetcher.fetched >= epoch.length
-    trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = fetcher.done
+    done = fetcher.follow(epoch) if isinstance(fetcher, _PassFetcher) else None
+    if done is not None:
+        trainer.fit_loop.epoch_loop.batch_progress.is_last_batch = done
 
 
 def load_own_loader_states(trainer: pl.Trainer, restore: Callable[[bool], list[dict[str, Any]] | None]) -> None:
@@ -132,11 +132,12 @@ def resize_epoch(trainer: pl.Trainer, length: int | None) -> None:
 
 def read_through(trainer: pl.Trainer, passes: Passes) -> None:
     """Route the fit loop's training batches through ``passes`` for every (re)loaded loader: the ranks agree on the
-    length at setup, and each ``iter()`` begins a pass (``trainer.train_dataloader`` itself bypasses the reader).
-    Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader``, sets ``max_batches`` from its length (after
-    ``limit_train_batches``), creates ``_data_fetcher`` and calls ``iter()`` on it (prefetching one batch of an
-    unsized loader); later epochs call ``iter(data_fetcher)``; the fetcher reads ``next(combined_loader)`` and takes
-    its ``length`` from ``len(combined_loader)`` on ``iter``."""
+    length at setup, and a :class:`_PassFetcher` takes the place of Lightning's fetcher (``trainer.train_dataloader``
+    itself bypasses it). Relies on: ``FitLoop.setup_data`` builds the ``CombinedLoader``, sets ``max_batches`` from its
+    length (after ``limit_train_batches``), creates ``_data_fetcher`` and calls ``iter()`` on it (a
+    ``_PrefetchDataFetcher``: an unsized loader's first batch prefetched into ``batches``); the loops use
+    ``_data_fetcher`` as :class:`_PassFetcher` says; ``FitLoop.state_dict`` saves
+    ``_combined_loader._state_dicts()``."""
     fit_loop = trainer.fit_loop
     fit_loop._token_mean_passes = passes  # type: ignore[attr-defined]  # a later fit's strategy brings its own
     if getattr(fit_loop, "_token_mean_read_through", False):
@@ -145,28 +146,25 @@ def read_through(trainer: pl.Trainer, passes: Passes) -> None:
 
     def setup_data_through_reader() -> None:
         setup_data()
-        combined = fit_loop._combined_loader
-        if combined is None or isinstance(combined, _ReadCombinedLoader) or fit_loop._data_fetcher is None:
+        combined, fetcher = fit_loop._combined_loader, fit_loop._data_fetcher
+        if combined is None or fetcher is None or isinstance(fetcher, _PassFetcher):
             return
-        fetcher = fit_loop._data_fetcher
         hint = length_is_a_hint(combined.flattened)
         local = None if hint or fit_loop.max_batches == float("inf") else int(fit_loop.max_batches)
         own = None if hint else _own_length(combined)
         passes: Passes = fit_loop._token_mean_passes  # type: ignore[attr-defined]
         resize_epoch(trainer, passes.agree(local, own))
-        prefetched = [*getattr(fetcher, "batches", [])]
-        stateful = bool(CombinedLoader._state_dicts(combined))
+        stateful = bool(combined._state_dicts())
         reader = Reader(
-            lambda: CombinedLoader.__next__(combined),
+            combined.__next__,
             (lambda: CombinedLoader._state_dicts(combined)) if stateful else None,
             lambda: epoch_position(trainer),
         )
-        reader.adopt(prefetched)
-        combined.__class__ = _ReadCombinedLoader
-        combined._token_mean_reader = reader  # type: ignore[attr-defined]
-        combined._token_mean_begin = lambda: passes.begin(reader, trainer.current_epoch)  # type: ignore[attr-defined]
-        combined._token_mean_reuse = True  # type: ignore[attr-defined]
-        iter(fetcher)  # restarts the fetcher on the reader, keeping the loaders' iterators already started
+        reader.adopt([*getattr(fetcher, "batches", [])])
+        if stateful:  # a checkpoint keeps the loaders' state after the batches handed out, not after those read ahead
+            combined._state_dicts = reader.consumed_state  # type: ignore[method-assign]
+        fit_loop._data_fetcher = _PassFetcher(combined, lambda: passes.begin(reader, trainer.current_epoch))
+        iter(fit_loop._data_fetcher)  # the first pass, over the loaders' iterators Lightning's `iter()` started
 
     fit_loop.setup_data = setup_data_through_reader  # type: ignore[method-assign]
     fit_loop._token_mean_read_through = True  # type: ignore[attr-defined]
@@ -185,31 +183,36 @@ def _own_length(combined: CombinedLoader) -> int | None:
         iterator.limits = limits
 
 
-class _ReadCombinedLoader(CombinedLoader):
-    """A ``CombinedLoader`` whose batches come through the pass :class:`Passes` begins at each ``iter()``."""
+class _PassFetcher(_DataFetcher):
+    """Lightning's fetcher over the fit's passes: each ``iter()`` begins one (restarting the loaders after the
+    first), and the epoch is as long as the pass (a stream's end moves window by window: :meth:`follow`). Relies on:
+    ``_DataFetcher.__next__`` reads ``next(iterator)``, counts ``fetched`` and sets ``done`` from ``length``; the epoch
+    loop calls ``iter(data_fetcher)`` at a later epoch's start and adds a resumed epoch's trained batches to
+    ``fetched``."""
 
-    _token_mean_reader: Reader
-    _token_mean_begin: Callable[[], Epoch]
-    _token_mean_epoch: Epoch
-    _token_mean_reuse: bool
+    def __init__(self, combined: CombinedLoader, begin: Callable[[], Epoch]) -> None:
+        super().__init__()
+        self.setup(combined)
+        self._begin = begin
+        self._restart = False  # the first pass reads the iterators Lightning's own `iter()` started
 
-    def __iter__(self) -> _ReadCombinedLoader:
-        if self._token_mean_reuse:  # installed after Lightning's own iter(): keep its loader iterators
-            self._token_mean_reuse = False
-        else:
-            super().__iter__()
-        self._token_mean_epoch = self._token_mean_begin()
+    def __iter__(self) -> _PassFetcher:
+        if self._restart:
+            iter(self.combined_loader)
+        self._restart = True
+        epoch = self._begin()
+        self.iterator = iter(epoch.next_item, None)  # items are tuples, never None; StopIteration ends it
+        self.fetched, self.length = 0, epoch.length
+        self.done = self.length == 0
         return self
 
-    def __next__(self) -> Any:
-        return self._token_mean_epoch.next_item()
-
-    def __len__(self) -> int:
-        return self._token_mean_epoch.length
-
-    def _state_dicts(self) -> list[dict[str, Any]]:
-        reader = self._token_mean_reader
-        return reader.consumed_state() if reader.stateful else []  # type: ignore[no-any-return]
+    def follow(self, epoch: Epoch) -> bool | None:
+        """Whether the batch fetched last is the pass's last, where the pass's end moved since (else None)."""
+        if self.length == epoch.length:
+            return None
+        self.length = epoch.length
+        self.done = self.fetched >= epoch.length
+        return self.done
 
 
 # ---- Lightning Fabric ----

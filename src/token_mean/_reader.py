@@ -1,5 +1,5 @@
 """The epoch's training batches as the package sees them: read ahead on demand, padded so every rank runs as long.
-Under the Trainer the reader sits between the ``CombinedLoader`` and the data fetcher, so it sees exactly the batches
+Under the Trainer the fit loop's fetcher reads it, and it the ``CombinedLoader``, so it sees exactly the batches
 ``training_step`` receives; under Fabric it reads the accumulator's loader. It calls nothing above it."""
 
 from __future__ import annotations
