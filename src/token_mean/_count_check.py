@@ -23,7 +23,7 @@ import contextlib
 import copy
 import math
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, NamedTuple
 
 import torch
@@ -265,12 +265,11 @@ def check(
     passed = False
     for index in range(len(replays.samples)):
         try:
-            verdict = judging.sample(index, others)
+            verdict = judging.sample(index)
             if verdict is not None and verdict.outcome == "failed":
-                # a replay that repeats its micro-batch by chance (a few tokens dropped alike) proves nothing where
-                # another does not: randomness the replay cannot repeat anywhere makes a failed cut untrustworthy
-                others_first = (i for i in range(len(replays.samples)) if i != index)
-                verdict = next(filter(None, map(judging.unrepeatable, others_first)), verdict)
+                # a replay that repeats its draws by chance (a few tokens dropped alike) proves nothing where another
+                # micro-batch's does not: randomness the replay cannot repeat makes the failed cut untrustworthy
+                verdict = judging.unrepeatable_besides(index) or replace(verdict, fixes=judging.fixes(index, others))
         except _ReplayFailed as failure:
             return Verdict("error", index, what=str(failure))
         if verdict is not None and verdict.outcome != "passed":
@@ -321,14 +320,13 @@ class _Judging:
         mismatch = judge(counts, [_float(loss) for loss, _ in outputs], reduction, tolerance)
         return None if mismatch is None else (mismatch, cut.what)
 
-    def sample(self, index: int, others: Sequence[Term]) -> Verdict | None:
-        """Micro-batch ``index``: failed (with the :meth:`fixes` among ``others``), random, passed, or None (no cut
-        decided)."""
+    def sample(self, index: int) -> Verdict | None:
+        """Micro-batch ``index``: failed (its fixes not named yet), random, passed, or None (no cut decided)."""
         _, count_fn, reduction = self.term
         cuts = self._checkable(index)
         if not cuts:
             return None
-        unrepeatable = self.unrepeatable(index)
+        unrepeatable = self._unrepeatable(index)
         if unrepeatable is not None:
             return unrepeatable
         tolerance = self.tolerance(index)
@@ -336,9 +334,8 @@ class _Judging:
             judged = self.judged(index, key, count_fn, reduction, tolerance)
             if judged is not None:
                 mismatch, what = judged
-                if mismatch <= tolerance:
-                    return Verdict("passed", index, mismatch, tolerance, what)
-                return Verdict("failed", index, mismatch, tolerance, what, self.fixes(index, others))
+                outcome: Outcome = "passed" if mismatch <= tolerance else "failed"
+                return Verdict(outcome, index, mismatch, tolerance, what)
         return None
 
     def _checkable(self, index: int) -> list[str]:
@@ -350,11 +347,9 @@ class _Judging:
         cuts = self.cuts(index, count_fn)
         return cuts if cuts and self.replays.cut(index, cuts[0]) is not None else []
 
-    def unrepeatable(self, index: int) -> Verdict | None:
+    def _unrepeatable(self, index: int) -> Verdict | None:
         """A "random" verdict where micro-batch ``index`` (one with cuts) replayed whole gives another loss than it
         trained on (or than a first replay gave): randomness the replay cannot repeat."""
-        if not self._checkable(index):
-            return None
         sample = self.replays.samples[index]
         loss, tolerance = self.whole(index)[0], self.tolerance(index)
         again = sample.trained if sample.trained is not None else self.replays.output(index, "again", sample.batch)
@@ -363,6 +358,12 @@ class _Judging:
             return None
         what = "trained on" if sample.trained is not None else "gave the first time"
         return Verdict("random", index, what=f"{_value(loss)} replayed, {_value(reference)} {what}")
+
+    def unrepeatable_besides(self, failed: int) -> Verdict | None:
+        """The first other micro-batch with cuts whose whole replay shows randomness the replay cannot repeat (its
+        replays are within :func:`forwards_per_sample`), else None."""
+        others = (i for i in range(len(self.replays.samples)) if i != failed and self._checkable(i))
+        return next(filter(None, map(self._unrepeatable, others)), None)
 
     def fixes(self, failed: int, others: Sequence[Term]) -> tuple[Fix, ...]:
         """The counts and reductions that satisfy the identity on every cut that decides, first of micro-batch
